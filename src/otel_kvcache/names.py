@@ -1,0 +1,111 @@
+"""Every span, event, attribute and metric name otel-kvcache emits, defined once.
+
+These names are the public contract: dashboards, collector rules and alerts
+depend on them. Units are UCUM; counters carry no ``_total`` suffix.
+"""
+
+from typing import Final
+
+from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
+    GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
+    GEN_AI_USAGE_INPUT_TOKENS,
+    GEN_AI_USAGE_OUTPUT_TOKENS,
+)
+from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
+
+METER_SCOPE: Final = "otel_kvcache"
+"""Instrumentation scope of every metric (and tracer) of this package."""
+
+# --- Span -------------------------------------------------------------------
+
+KV_REQUEST_SPAN: Final = "vllm.kv_cache.request"
+"""One INTERNAL span per engine request, from arrival to the release of its blocks."""
+
+# --- Span events ------------------------------------------------------------
+
+EVENT_ADMITTED: Final = "kv_cache.admitted"
+"""The request got its first KV blocks."""
+EVENT_PREEMPTED: Final = "kv_cache.preempted"
+"""The scheduler took all of the request's blocks back to make room."""
+EVENT_RESUMED: Final = "kv_cache.resumed"
+"""A preempted request got blocks again."""
+EVENT_RELEASED: Final = "kv_cache.released"
+"""The request ended and its blocks went back to the pool."""
+
+# --- Attributes -------------------------------------------------------------
+
+REQUEST_ID: Final = "vllm.request.id"
+"""The engine's request id."""
+INPUT_TOKENS: Final = GEN_AI_USAGE_INPUT_TOKENS
+"""Prompt tokens of the request."""
+OUTPUT_TOKENS: Final = GEN_AI_USAGE_OUTPUT_TOKENS
+"""Tokens the request generated."""
+CACHE_READ_INPUT_TOKENS: Final = GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
+"""Local prefix-cache hit tokens, summed over the request's admissions."""
+BLOCK_SIZE: Final = "vllm.kv_cache.block_size"
+"""Tokens per KV block."""
+BLOCKS_PEAK: Final = "vllm.kv_cache.blocks.peak"
+"""Most blocks the request held at once."""
+BLOCKS_ALLOCATED: Final = "vllm.kv_cache.blocks.allocated"
+"""New blocks taken from the pool over the request's life, re-admissions included."""
+BLOCKS_PREFIX_HIT: Final = "vllm.kv_cache.blocks.prefix_hit"
+"""Blocks reused from the prefix cache, summed over admissions."""
+BLOCKS_FREED: Final = "vllm.kv_cache.blocks.freed"
+"""Blocks released when the request ended."""
+PREEMPTIONS: Final = "vllm.kv_cache.preemptions"
+"""Span attribute: times the request was preempted. Also a counter, ``{preemption}``."""
+RECOMPUTED_TOKENS: Final = "vllm.kv_cache.recomputed_tokens"
+"""Computed tokens thrown away by the request's preemptions."""
+ALLOCATION_STALLS: Final = "vllm.kv_cache.allocation_stalls"
+"""Span attribute: engine steps in which the request was scheduled but got no
+blocks. Also a counter, ``{stall}``, of such request-steps."""
+FINISH_REASON: Final = "vllm.request.finish_reason"
+"""stop, length, abort, error, repetition or ignored."""
+
+EVENT_PREFIX_HIT_TOKENS: Final = "vllm.kv_cache.prefix_hit_tokens"
+"""Event attribute: local prefix-cache hit tokens of this admission."""
+POOL_FREE_BLOCKS: Final = "vllm.kv_cache.pool.free_blocks"
+"""Event attribute: blocks the pool could hand out at that moment (cached ones included)."""
+POOL_USED_BLOCKS: Final = "vllm.kv_cache.pool.used_blocks"
+"""Event attribute: blocks referenced by a request at that moment."""
+
+BLOCK_STATE: Final = "vllm.kv_cache.block.state"
+"""Metric attribute of ``vllm.kv_cache.blocks``: one of ``BLOCK_STATES``."""
+BLOCK_STATE_USED: Final = "used"
+BLOCK_STATE_CACHED: Final = "cached"
+BLOCK_STATE_FREE: Final = "free"
+BLOCK_STATES: Final = (BLOCK_STATE_USED, BLOCK_STATE_CACHED, BLOCK_STATE_FREE)
+
+ENGINE_INDEX: Final = "vllm.engine.index"
+"""Metric attribute: the engine's data-parallel rank (0 without data parallelism)."""
+
+ERROR_TYPE_ATTRIBUTE: Final = ERROR_TYPE
+"""Metric attribute of the instrumentation's own error counter: the exception type."""
+HOOK: Final = "otel_kvcache.hook"
+"""Metric attribute of the instrumentation's own error counter: the vLLM method wrapped."""
+
+# --- Metrics ----------------------------------------------------------------
+
+BLOCKS: Final = "vllm.kv_cache.blocks"
+"""Observable gauge, ``{block}``: blocks per ``vllm.kv_cache.block.state``.
+Also the event attribute for the blocks a request held (admitted, resumed) or
+gave back (preempted, released)."""
+BLOCKS_LIMIT: Final = "vllm.kv_cache.blocks.limit"
+"""Observable gauge, ``{block}``: usable blocks in the pool (vLLM's null block excluded)."""
+UTILIZATION: Final = "vllm.kv_cache.utilization"
+"""Observable gauge, ``1``: used / limit. Unlike vLLM's ``kv_cache_usage_perc``,
+evictable prefix-cache blocks do not count as used."""
+EVICTIONS: Final = "vllm.kv_cache.evictions"
+"""Counter, ``{block}``: prefix-cache blocks evicted for reuse."""
+PREFIX_CACHE_QUERIES: Final = "vllm.kv_cache.prefix_cache.queries"
+"""Counter, ``{token}``: tokens looked up in the prefix cache (as vLLM's PrefixCacheStats)."""
+PREFIX_CACHE_HITS: Final = "vllm.kv_cache.prefix_cache.hits"
+"""Counter, ``{token}``: tokens found in the prefix cache."""
+REQUEST_BLOCKS: Final = "vllm.kv_cache.request.blocks"
+"""Histogram, ``{block}``: peak blocks per finished request."""
+REQUEST_PREFIX_HIT_RATIO: Final = "vllm.kv_cache.request.prefix_hit_ratio"
+"""Histogram, ``1``: prefix-cache hit tokens / prompt tokens per finished request."""
+REQUEST_PREEMPTIONS: Final = "vllm.kv_cache.request.preemptions"
+"""Histogram, ``{preemption}``: preemptions per finished request."""
+INSTRUMENTATION_ERRORS: Final = "otel_kvcache.instrumentation.errors"
+"""Counter, ``{error}``: errors inside otel-kvcache itself (vLLM kept running)."""

@@ -1,0 +1,177 @@
+"""Wrapper factories, one per role in ``vllm_compat.HOOK_POINTS``.
+
+Every wrapper has the same skeleton (``_observing``): it calls vLLM's original
+exactly once, lets vLLM's exceptions through unchanged, and runs our code in
+guarded blocks whose failures are counted and logged once per kind. Objects
+built before ``instrument()`` carry no telemetry and pass straight through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+from opentelemetry.trace import Tracer
+
+from otel_kvcache.engine import EngineTelemetry
+from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.instruments import KVCacheInstruments
+from otel_kvcache.vllm_compat import allocate_slots_arguments, first_argument, running_status
+
+ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
+"""Set on each instrumented Scheduler, its KVCacheManager and its BlockPool."""
+
+Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+Before = Callable[[EngineTelemetry, Any, tuple, dict], Any]
+After = Callable[[EngineTelemetry, Any, tuple, dict, Any, Any], None]
+
+
+def _observing(hook: str, errors: InstrumentationErrors, after: After, before: Before | None = None) -> Wrapper:
+    def wrapper(wrapped, instance, args, kwargs):
+        engine = getattr(instance, ENGINE_ATTRIBUTE, None)
+        if engine is None or not is_instrumentation_enabled():
+            return wrapped(*args, **kwargs)
+        state = None
+        if before is not None:
+            try:
+                state = before(engine, instance, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
+                errors.record(hook, exc)
+                return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            after(engine, instance, args, kwargs, result, state)
+        except Exception as exc:  # noqa: BLE001
+            errors.record(hook, exc)
+        return result
+
+    return wrapper
+
+
+def scheduler_init_wrapper(
+    hook: str, tracer: Tracer, instruments: KVCacheInstruments, errors: InstrumentationErrors
+) -> Wrapper:
+    def wrapper(wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        if not is_instrumentation_enabled():
+            return
+        try:
+            engine = EngineTelemetry(instance, tracer, instruments, errors)
+            manager = instance.kv_cache_manager
+            for owner in (instance, manager, manager.block_pool):
+                setattr(owner, ENGINE_ATTRIBUTE, engine)
+        except Exception as exc:  # noqa: BLE001
+            errors.record(hook, exc)
+
+    return wrapper
+
+
+def _request_added(engine, scheduler, args, kwargs, result, state):
+    engine.on_request_added(first_argument(args, kwargs, "request"))
+
+
+def _allocate_factory(hook: str, errors: InstrumentationErrors) -> Wrapper:
+    running = running_status()
+
+    def after(engine, manager, args, kwargs, new_blocks, state):
+        request, hit_blocks, hit_tokens = allocate_slots_arguments(args, kwargs)
+        if new_blocks is None:
+            engine.on_stall(request)
+        elif request.status is not running:
+            engine.on_allocated(request, new_blocks, hit_blocks, hit_tokens, admission=True)
+        elif new_blocks is not manager.empty_kv_cache_blocks:
+            engine.on_allocated(request, new_blocks, None, 0, admission=False)
+
+    return _observing(hook, errors, after)
+
+
+def _prefix_lookup(engine, manager, args, kwargs, result, state):
+    request = first_argument(args, kwargs, "request")
+    num_hits = args[1] if len(args) > 1 else kwargs["num_hits"]
+    engine.on_prefix_cache_lookup(request, num_hits, counted=manager.prefix_cache_lookup_enabled(request))
+
+
+def _before_preempt(engine, scheduler, args, kwargs):
+    return engine.before_preempt(first_argument(args, kwargs, "request"))
+
+
+def _preempted(engine, scheduler, args, kwargs, result, held_and_computed):
+    engine.on_preempted(first_argument(args, kwargs, "request"), held_and_computed)
+
+
+def _before_release(engine, scheduler, args, kwargs):
+    return engine.before_release(first_argument(args, kwargs, "request"))
+
+
+def _released(engine, scheduler, args, kwargs, result, freed):
+    engine.on_released(first_argument(args, kwargs, "request"), freed)
+
+
+def _step_end(engine, scheduler, args, kwargs, result, state):
+    engine.on_step_end()
+
+
+def _before_evict(engine, pool, args, kwargs):
+    block = first_argument(args, kwargs, "block")
+    return block.ref_cnt == 0 and not block.is_null
+
+
+def _evicted(engine, pool, args, kwargs, evicted, was_cached_free):
+    if evicted:
+        engine.on_evicted(was_cached_free)
+
+
+def _before_touch(engine, pool, args, kwargs):
+    engine.pool.on_touching(first_argument(args, kwargs, "blocks"))
+
+
+def _nothing_after(engine, instance, args, kwargs, result, state):
+    pass
+
+
+def _prefix_cache_reset(engine, pool, args, kwargs, succeeded, state):
+    if succeeded:
+        engine.pool.on_reset()
+
+
+def _free_blocks_factory(hook: str, errors: InstrumentationErrors) -> Wrapper:
+    """``free_blocks`` takes any iterable (vLLM passes ``reversed(...)``): we
+    materialize it once so both vLLM and the tracker see every block."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        engine = getattr(instance, ENGINE_ATTRIBUTE, None)
+        if engine is None or not is_instrumentation_enabled() or len(args) != 1 or kwargs:
+            return wrapped(*args, **kwargs)
+        blocks = list(args[0])
+        result = wrapped(blocks)
+        try:
+            engine.pool.on_freed(blocks)
+        except Exception as exc:  # noqa: BLE001
+            errors.record(hook, exc)
+        return result
+
+    return wrapper
+
+
+def build_wrappers(
+    tracer: Tracer, instruments: KVCacheInstruments, errors: InstrumentationErrors
+) -> dict[str, Callable[[str], Wrapper]]:
+    """Role -> a factory taking the hook's name; factories run only once vLLM is imported."""
+
+    def observing(after: After, before: Before | None = None) -> Callable[[str], Wrapper]:
+        return lambda hook: _observing(hook, errors, after, before)
+
+    return {
+        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, tracer, instruments, errors),
+        "request_added": observing(_request_added),
+        "preempt": observing(_preempted, _before_preempt),
+        "release": observing(_released, _before_release),
+        "step_end": observing(_step_end),
+        "allocate": lambda hook: _allocate_factory(hook, errors),
+        "prefix_lookup": observing(_prefix_lookup),
+        "evict": observing(_evicted, _before_evict),
+        "free_blocks": lambda hook: _free_blocks_factory(hook, errors),
+        "touch": observing(_nothing_after, _before_touch),
+        "reset_prefix_cache": observing(_prefix_cache_reset),
+    }

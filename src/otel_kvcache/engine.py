@@ -180,6 +180,8 @@ class EngineTelemetry:
         record = self.requests.pop(request.request_id, None)
         if record is not None:
             self._end(record, request, freed)
+        # An abort can free blocks while the engine idles, with no step to follow.
+        self.snapshot = self.pool.snapshot()
 
     def _end(self, record: RequestRecord, request: Any, freed: int) -> None:
         reason = finish_reason(request.status)

@@ -72,18 +72,30 @@ def _request_added(engine, scheduler, args, kwargs, result, state):
 
 
 def _allocate_factory(hook: str, errors: InstrumentationErrors) -> Wrapper:
+    """``allocate_slots`` runs for every scheduled request in every step, so
+    its wrapper leaves after one identity check in the common case: a running
+    request's decode step that needed no new block."""
     running = running_status()
 
-    def after(engine, manager, args, kwargs, new_blocks, state):
-        request, hit_blocks, hit_tokens = allocate_slots_arguments(args, kwargs)
-        if new_blocks is None:
-            engine.on_stall(request)
-        elif request.status is not running:
-            engine.on_allocated(request, new_blocks, hit_blocks, hit_tokens, admission=True)
-        elif new_blocks is not manager.empty_kv_cache_blocks:
-            engine.on_allocated(request, new_blocks, None, 0, admission=False)
+    def wrapper(wrapped, instance, args, kwargs):
+        new_blocks = wrapped(*args, **kwargs)
+        try:
+            request, hit_blocks, hit_tokens = allocate_slots_arguments(args, kwargs)
+            admission = request.status is not running
+            if new_blocks is instance.empty_kv_cache_blocks and not admission:
+                return new_blocks
+            engine = getattr(instance, ENGINE_ATTRIBUTE, None)
+            if engine is None or not is_instrumentation_enabled():
+                return new_blocks
+            if new_blocks is None:
+                engine.on_stall(request)
+            else:
+                engine.on_allocated(request, new_blocks, hit_blocks, hit_tokens, admission)
+        except Exception as exc:  # noqa: BLE001
+            errors.record(hook, exc)
+        return new_blocks
 
-    return _observing(hook, errors, after)
+    return wrapper
 
 
 def _prefix_lookup(engine, manager, args, kwargs, result, state):

@@ -53,6 +53,14 @@ def model_config(tmp_path_factory):
     return make_model_config(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny random-weight llama the end-to-end tests serve (made here, never downloaded)."""
+    from demo.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
 @pytest.fixture
 def telemetry():
     telemetry = Telemetry()

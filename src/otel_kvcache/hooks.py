@@ -11,7 +11,6 @@ from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from otel_kvcache.patch import Wrapper
 from otel_kvcache.vllm_compat import HookPoint
@@ -36,7 +35,7 @@ class LazyPatcher:
         for point in hook_points:
             self._by_module.setdefault(point.module, []).append(point)
         self._factories = factories
-        self._patched: list[tuple[type, str]] = []
+        self._patched: list[tuple[type, str, object]] = []
         self._active = False
 
     def start(self) -> None:
@@ -48,8 +47,9 @@ class LazyPatcher:
 
     def stop(self) -> None:
         self._active = False
-        for owner, method in reversed(self._patched):
-            unwrap(owner, method)
+        for owner, method, original in reversed(self._patched):
+            # Put back the class attribute itself: a staticmethod stays one.
+            setattr(owner, method, original)
         self._patched.clear()
 
     def _patch_module(self, module: ModuleType) -> None:
@@ -67,9 +67,13 @@ class LazyPatcher:
                     ", ".join(point.verified_on),
                 )
                 continue
+            original = owner.__dict__.get(point.method)
+            if original is None:
+                _logger.warning("otel-kvcache: %s is inherited, not hooked", point.qualname)
+                continue
             try:
                 wrapt.wrap_function_wrapper(owner, point.method, self._factories[point.role](point.qualname))
             except Exception:  # noqa: BLE001 - an import of vLLM must never fail because of us
                 _logger.warning("otel-kvcache: could not hook %s", point.qualname, exc_info=True)
                 continue
-            self._patched.append((owner, point.method))
+            self._patched.append((owner, point.method, original))

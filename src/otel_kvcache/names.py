@@ -79,6 +79,16 @@ BLOCK_STATES: Final = (BLOCK_STATE_USED, BLOCK_STATE_CACHED, BLOCK_STATE_FREE)
 ENGINE_INDEX: Final = "vllm.engine.index"
 """Metric attribute: the engine's data-parallel rank (0 without data parallelism)."""
 
+# --- Resource attributes ------------------------------------------------------
+
+PROCESS_ROLE: Final = "vllm.process.role"
+"""Resource attribute: which of vLLM's processes exported the data."""
+ROLE_API_SERVER: Final = "api_server"
+ROLE_ENGINE_CORE: Final = "engine_core"
+ROLE_WORKER: Final = "worker"
+WORKER_RANK: Final = "vllm.worker.rank"
+"""Resource attribute of worker processes: the worker's rank within its engine."""
+
 ERROR_TYPE_ATTRIBUTE: Final = ERROR_TYPE
 """Metric attribute of the instrumentation's own error counter: the exception type."""
 HOOK: Final = "otel_kvcache.hook"

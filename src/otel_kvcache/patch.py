@@ -17,6 +17,8 @@ from opentelemetry.trace import Tracer
 from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
+from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
+from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.vllm_compat import allocate_slots_arguments, first_argument, running_status
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
@@ -186,4 +188,7 @@ def build_wrappers(
         "free_blocks": lambda hook: _free_blocks_factory(hook, errors),
         "touch": observing(_nothing_after, _before_touch),
         "reset_prefix_cache": observing(_prefix_cache_reset),
+        "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
+        "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
+        "name_child_process": lambda hook: name_child_process_wrapper(hook, errors),
     }

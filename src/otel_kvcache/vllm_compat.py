@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from otel_kvcache import names
+
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 KV_CACHE_MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
 BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
@@ -55,6 +57,18 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "touch", "touch"),
     # Drops every hash at once.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "reset_prefix_cache", "reset_prefix_cache"),
+    # API server: drops the HTTP request's trace headers without --otlp-traces-endpoint.
+    HookPoint("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", "remember_trace_headers"),
+    # API server, in the request's coroutine: the EngineCoreRequest bound for the engine.
+    HookPoint("vllm.v1.engine.input_processor", "InputProcessor", "assign_request_id", "attach_trace_context"),
+    # Starts EngineCore and worker processes (named as in PROCESS_ROLES).
+    HookPoint("multiprocessing.process", "BaseProcess", "start", "name_child_process"),
+)
+
+# The names vLLM gives the processes it starts -> (role, attribute for the number in the name).
+PROCESS_ROLES = (
+    (r"EngineCore(?:_DP(\d+))?", names.ROLE_ENGINE_CORE, names.ENGINE_INDEX),
+    (r"VllmWorker-(\d+)", names.ROLE_WORKER, names.WORKER_RANK),
 )
 
 # RequestStatus names of finished requests -> vllm.request.finish_reason.

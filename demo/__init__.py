@@ -1,0 +1,1 @@
+"""The main job: an instrumented vLLM server on a tiny local model, under a realistic load."""

@@ -1,0 +1,152 @@
+"""The load our users live through, sent through vLLM's OpenAI API.
+
+- a multi-turn chat whose context grows every turn (several at once);
+- concurrent requests that share one long system prompt (prefix build-up);
+- streaming clients that disconnect mid-answer (aborts).
+
+Every request carries its own W3C ``traceparent``, so the client knows the
+trace id under which each request's spans arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+import httpx
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant for a team that runs large language models in production. "
+    "You explain how the KV cache works, why blocks are shared between requests with a common "
+    "prefix, what preemption costs, and how to read the telemetry of the block pool. "
+) * 3
+
+QUESTIONS = [
+    "Why does the memory line stay flat?",
+    "What happens when the pool runs dry?",
+    "How do prefix blocks get reused?",
+    "Which requests were preempted, and why?",
+    "What does an aborted client leave behind?",
+    "How many blocks did my request hold?",
+]
+
+
+@dataclass
+class SentRequest:
+    scenario: str
+    trace_id: str
+    status: int = 0
+    usage: dict = field(default_factory=dict)
+    disconnected: bool = False
+
+
+def traceparent() -> tuple[str, str]:
+    trace_id = secrets.token_hex(16)
+    return trace_id, f"00-{trace_id}-{secrets.token_hex(8)}-01"
+
+
+class LoadClient:
+    def __init__(self, base_url: str, model: str, timeout: float = 300) -> None:
+        self.model = model
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout)
+        self.sent: list[SentRequest] = []
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def _new(self, scenario: str) -> tuple[SentRequest, dict[str, str]]:
+        trace_id, header = traceparent()
+        sent = SentRequest(scenario, trace_id)
+        self.sent.append(sent)
+        return sent, {"traceparent": header}
+
+    async def complete(self, scenario: str, prompt: str, max_tokens: int) -> SentRequest:
+        sent, headers = self._new(scenario)
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        response = await self.http.post("/v1/completions", json=body, headers=headers)
+        sent.status = response.status_code
+        sent.usage = response.json().get("usage", {})
+        return sent
+
+    async def chat(self, scenario: str, messages: list[dict], max_tokens: int) -> tuple[SentRequest, str]:
+        sent, headers = self._new(scenario)
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
+        response = await self.http.post("/v1/chat/completions", json=body, headers=headers)
+        sent.status = response.status_code
+        payload = response.json()
+        sent.usage = payload.get("usage", {})
+        return sent, payload["choices"][0]["message"]["content"]
+
+    async def stream_then_disconnect(self, scenario: str, prompt: str, chunks_before_leaving: int) -> SentRequest:
+        sent, headers = self._new(scenario)
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        async with self.http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+            sent.status = response.status_code
+            received = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    received += 1
+                    if received >= chunks_before_leaving:
+                        sent.disconnected = True
+                        break  # closing the stream drops the connection mid-answer
+        return sent
+
+
+async def growing_chat(client: LoadClient, chat_index: int, turns: int, max_tokens: int) -> None:
+    """One conversation: every turn resends the whole history, so the context grows."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": QUESTIONS[(chat_index + turn) % len(QUESTIONS)]})
+        _, answer = await client.chat("multi-turn chat", messages, max_tokens)
+        messages.append({"role": "assistant", "content": answer})
+
+
+async def shared_prefix_burst(client: LoadClient, count: int, max_tokens: int) -> None:
+    prompts = [f"{SYSTEM_PROMPT}\nQuestion {i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(count)]
+    await asyncio.gather(*(client.complete("shared system prompt", p, max_tokens) for p in prompts))
+
+
+async def disconnecting_streams(client: LoadClient, count: int, chunks_before_leaving: int = 8) -> None:
+    await asyncio.gather(
+        *(
+            client.stream_then_disconnect("client disconnects", f"Stream {i}: {QUESTIONS[i % 6]}", chunks_before_leaving)
+            for i in range(count)
+        )
+    )
+
+
+@dataclass
+class LoadShape:
+    chats: int = 6
+    turns: int = 4
+    chat_max_tokens: int = 96
+    burst: int = 8
+    burst_max_tokens: int = 32
+    streams: int = 4
+
+
+async def run_load(base_url: str, model: str, shape: LoadShape, progress=None) -> list[SentRequest]:
+    """All three scenarios; ``progress(text)`` is told when each starts."""
+    client = LoadClient(base_url, model)
+    scenarios = (
+        (
+            f"{shape.burst} requests sharing one system prompt",
+            lambda: shared_prefix_burst(client, shape.burst, shape.burst_max_tokens),
+        ),
+        (
+            f"{shape.chats} chats x {shape.turns} growing turns",
+            lambda: asyncio.gather(
+                *(growing_chat(client, i, shape.turns, shape.chat_max_tokens) for i in range(shape.chats))
+            ),
+        ),
+        (f"{shape.streams} streaming clients that disconnect", lambda: disconnecting_streams(client, shape.streams)),
+    )
+    try:
+        for label, start in scenarios:
+            if progress:
+                progress(label)
+            await start()
+    finally:
+        await client.close()
+    return client.sent

@@ -1,0 +1,139 @@
+"""A local OTLP/gRPC receiver that keeps what it receives and writes it as OTLP JSON.
+
+Built on the official ``opentelemetry-proto`` service definitions. Each export
+request becomes one line of OTLP JSON (the encoding of the collector's file
+exporter and its ``otlpjsonfile`` receiver: lowerCamelCase fields, trace and
+span ids in hex), in ``traces.jsonl``, ``metrics.jsonl`` and ``logs.jsonl``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+_ID_FIELDS = {"traceId", "spanId", "parentSpanId"}
+
+
+def _hex_ids(value):
+    """protobuf's JSON mapping writes bytes as base64; OTLP JSON wants hex ids."""
+    if isinstance(value, dict):
+        return {
+            k: (base64.b64decode(v).hex() if k in _ID_FIELDS and isinstance(v, str) else _hex_ids(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_hex_ids(v) for v in value]
+    return value
+
+
+def to_otlp_json(message) -> dict:
+    return _hex_ids(MessageToDict(message, preserving_proto_field_name=False))
+
+
+class OTLPSink:
+    """Receives traces, metrics and logs on ``127.0.0.1:<port>``."""
+
+    def __init__(self, directory: str | Path | None = None, port: int = 0) -> None:
+        self.directory = Path(directory) if directory else None
+        self._lock = threading.Lock()
+        self.trace_requests: list = []
+        self.metric_requests: list = []
+        self.log_requests: list = []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self._server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), self._server)
+        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsService(self), self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        if self.directory:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for kind in ("traces", "metrics", "logs"):
+                (self.directory / f"{kind}.jsonl").write_text("")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> OTLPSink:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop(grace=1).wait()
+
+    def _keep(self, kind: str, requests: list, request) -> None:
+        with self._lock:
+            requests.append(request)
+            if self.directory:
+                with open(self.directory / f"{kind}.jsonl", "a") as f:
+                    f.write(json.dumps(to_otlp_json(request), separators=(",", ":")) + "\n")
+
+    # --- what the tests read ---------------------------------------------------------
+
+    def spans(self):
+        """(resource attributes, span) for every span received."""
+        with self._lock:
+            requests = list(self.trace_requests)
+        for request in requests:
+            for resource_spans in request.resource_spans:
+                resource = attributes_of(resource_spans.resource.attributes)
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        yield resource, span
+
+    def metrics(self, name: str | None = None):
+        """(resource attributes, metric) for every metric received, optionally of one name."""
+        with self._lock:
+            requests = list(self.metric_requests)
+        for request in requests:
+            for resource_metrics in request.resource_metrics:
+                resource = attributes_of(resource_metrics.resource.attributes)
+                for scope_metrics in resource_metrics.scope_metrics:
+                    for metric in scope_metrics.metrics:
+                        if name is None or metric.name == name:
+                            yield resource, metric
+
+
+def attributes_of(key_values) -> dict:
+    """OTLP KeyValue list -> plain dict."""
+    result = {}
+    for kv in key_values:
+        value = kv.value
+        kind = value.WhichOneof("value")
+        result[kv.key] = getattr(value, kind) if kind else None
+    return result
+
+
+class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, sink: OTLPSink) -> None:
+        self.sink = sink
+
+    def Export(self, request, context):  # noqa: N802 - the gRPC method name
+        self.sink._keep("traces", self.sink.trace_requests, request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, sink: OTLPSink) -> None:
+        self.sink = sink
+
+    def Export(self, request, context):  # noqa: N802
+        self.sink._keep("metrics", self.sink.metric_requests, request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+class _LogsService(logs_service_pb2_grpc.LogsServiceServicer):
+    def __init__(self, sink: OTLPSink) -> None:
+        self.sink = sink
+
+    def Export(self, request, context):  # noqa: N802
+        self.sink._keep("logs", self.sink.log_requests, request)
+        return logs_service_pb2.ExportLogsServiceResponse()

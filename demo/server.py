@@ -1,0 +1,126 @@
+"""Starts vLLM's OpenAI server under ``opentelemetry-instrument`` on the CPU build."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerConfig:
+    model: Path
+    otlp_endpoint: str | None = None
+    """None: leave OTEL_EXPORTER_OTLP_ENDPOINT as the environment has it."""
+    block_size: int = 32
+    num_blocks: int = 64
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class VLLMServer:
+    """One ``opentelemetry-instrument python -m vllm.entrypoints.openai.api_server``."""
+
+    def __init__(self, config: ServerConfig, log_path: Path) -> None:
+        self.config = config
+        self.port = free_port()
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        c = self.config
+        bin_dir = Path(sys.executable).parent
+        # The CPU build's `vllm` console script looks up the distribution
+        # named `vllm` and fails; the module is the same server.
+        return [
+            str(bin_dir / "opentelemetry-instrument"), sys.executable,
+            "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(c.model),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--block-size", str(c.block_size),
+            "--num-gpu-blocks-override", str(c.num_blocks),
+            "--max-model-len", str(c.max_model_len),
+            "--max-num-seqs", str(c.max_num_seqs),
+            "--enable-prefix-caching",
+            "--dtype", "float32",
+            *c.extra_args,
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            # Export quickly so the demo and the tests see data within a second.
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+            "OTEL_LOGS_EXPORTER": "none",
+            **self.config.extra_env,
+        }
+        if self.config.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.config.otlp_endpoint
+            env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+        return env
+
+    def start(self, timeout: float = 300) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vLLM did not become healthy in {timeout}s; see {self.log_path}")
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        # SIGINT lets vLLM shut its engine down and the SDKs flush at exit.
+        os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def prometheus_value(metrics_text: str, name: str) -> float:
+    """Sum of a metric's samples in vLLM's /metrics text."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

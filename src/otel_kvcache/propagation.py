@@ -1,0 +1,70 @@
+"""Carries each HTTP request's trace context into the EngineCore, in the API server process.
+
+vLLM reads ``traceparent`` from the HTTP headers, but ``AsyncLLM.add_request``
+drops it unless ``--otlp-traces-endpoint`` is set, so the EngineCore never
+sees a context. ``InputProcessor.assign_request_id`` runs later, in the
+request's own coroutine, on the ``EngineCoreRequest`` that travels to the
+engine: there we write the context into its ``trace_headers``. The context is
+the current span (the HTTP server span, when FastAPI instrumentation runs),
+else the incoming ``traceparent`` that ``add_request`` was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextvars import ContextVar
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.vllm_compat import first_argument
+
+# Only the W3C trace context travels; baggage (user data) stays in the API server.
+_TRACE_CONTEXT = TraceContextTextMapPropagator()
+
+_incoming_trace_headers: ContextVar[Mapping[str, str] | None] = ContextVar(
+    "otel_kvcache_incoming_trace_headers", default=None
+)
+
+
+def remember_trace_headers_wrapper():
+    """``AsyncLLM.add_request``: keep its ``trace_headers`` for the rest of the call."""
+
+    async def wrapper(wrapped, instance, args, kwargs):
+        token = _incoming_trace_headers.set(kwargs.get("trace_headers"))
+        try:
+            return await wrapped(*args, **kwargs)
+        finally:
+            _incoming_trace_headers.reset(token)
+
+    return wrapper
+
+
+def trace_context_carrier() -> dict[str, str]:
+    """``traceparent`` / ``tracestate`` of the current span, else of the incoming request."""
+    carrier: dict[str, str] = {}
+    if trace.get_current_span().get_span_context().is_valid:
+        _TRACE_CONTEXT.inject(carrier)
+        return carrier
+    incoming = _incoming_trace_headers.get()
+    if incoming:
+        carrier.update({k: v for k in _TRACE_CONTEXT.fields if (v := incoming.get(k)) is not None})
+    return carrier
+
+
+def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
+    """``InputProcessor.assign_request_id``: put the context on the request bound for the engine."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        try:
+            carrier = trace_context_carrier()
+            if carrier:
+                request = first_argument(args, kwargs, "request")
+                request.trace_headers = {**(request.trace_headers or {}), **carrier}
+        except Exception as exc:  # noqa: BLE001
+            errors.record(hook, exc)
+        return result
+
+    return wrapper

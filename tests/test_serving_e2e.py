@@ -1,0 +1,184 @@
+"""End to end: `opentelemetry-instrument` + vLLM's real OpenAI server + real OTLP over gRPC.
+
+One server on the tiny local model, with a 63-block pool, exports to an OTLP
+receiver inside the test. Expected values come from vLLM itself: the HTTP
+response's ``usage`` block and the server's Prometheus ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import httpx
+import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from demo.load import LoadClient, growing_chat, traceparent
+from demo.otlp_sink import OTLPSink, attributes_of
+from demo.server import ServerConfig, VLLMServer, prometheus_value
+from otel_kvcache import names
+
+BLOCK_SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def sink():
+    sink = OTLPSink().start()
+    yield sink
+    sink.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, sink, tmp_path_factory):
+    config = ServerConfig(model=tiny_model, otlp_endpoint=sink.endpoint, block_size=BLOCK_SIZE, num_blocks=64)
+    server = VLLMServer(config, tmp_path_factory.mktemp("vllm") / "server.log").start()
+    yield server
+    server.stop()
+
+
+def wait_for(produce, timeout: float = 30, interval: float = 0.25):
+    """Polls ``produce()`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = produce()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"nothing arrived within {timeout}s")
+
+
+def kv_spans(sink, trace_ids) -> list[tuple[dict, Span]]:
+    wanted = {bytes.fromhex(t) for t in trace_ids}
+    return [(r, s) for r, s in sink.spans() if s.name == names.KV_REQUEST_SPAN and s.trace_id in wanted]
+
+
+def span_attributes(span) -> dict:
+    return attributes_of(span.attributes)
+
+
+def latest_used_blocks(sink) -> float | None:
+    latest = None
+    for _, metric in sink.metrics(names.BLOCKS):
+        for point in metric.gauge.data_points:
+            if attributes_of(point.attributes)[names.BLOCK_STATE] == names.BLOCK_STATE_USED:
+                if latest is None or point.time_unix_nano >= latest[0]:
+                    latest = (point.time_unix_nano, point.as_int)
+    return None if latest is None else latest[1]
+
+
+def test_kv_span_joins_the_http_requests_trace(server, sink):
+    trace_id, header = traceparent()
+    response = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": str(server.config.model), "prompt": "How many blocks did my request hold?",
+              "max_tokens": 40, "ignore_eos": True},
+        headers={"traceparent": header},
+        timeout=60,
+    )
+    usage = response.json()["usage"]
+    [(resource, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
+    attrs = span_attributes(span)
+
+    # Its parent is the HTTP server span of this request, exported by the API server.
+    parents = [(r, s) for r, s in sink.spans() if s.span_id == span.parent_span_id]
+    [(parent_resource, parent)] = parents
+    assert parent.kind == Span.SPAN_KIND_SERVER and parent.trace_id == span.trace_id
+    assert parent.parent_span_id == bytes.fromhex(header.split("-")[2])
+    assert parent_resource[names.PROCESS_ROLE] == names.ROLE_API_SERVER
+    assert resource[names.PROCESS_ROLE] == names.ROLE_ENGINE_CORE
+
+    assert attrs[names.INPUT_TOKENS] == usage["prompt_tokens"]
+    assert attrs[names.OUTPUT_TOKENS] == usage["completion_tokens"]
+    assert attrs[names.PREEMPTIONS] == 0
+    # The last sampled token is returned but never fed back, so it holds no KV slot.
+    kv_tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert attrs[names.BLOCKS_PEAK] == math.ceil(kv_tokens / BLOCK_SIZE)
+    assert attrs[names.FINISH_REASON] == "length"
+
+
+def test_prefix_hits_match_vllms_own_counter(server, sink):
+    model = str(server.config.model)
+    shared = " ".join(f"Shared context line {i} about KV blocks." for i in range(30)) + " "
+    before = prometheus_value(server.metrics_text(), "vllm:prefix_cache_hits_total")
+    trace_ids = []
+    for question in ("What is a block?", "Who frees it?"):
+        trace_id, header = traceparent()
+        trace_ids.append(trace_id)
+        httpx.post(
+            server.url + "/v1/completions",
+            json={"model": model, "prompt": shared + question, "max_tokens": 8, "ignore_eos": True},
+            headers={"traceparent": header},
+            timeout=60,
+        ).raise_for_status()
+    gained = prometheus_value(server.metrics_text(), "vllm:prefix_cache_hits_total") - before
+
+    spans = {s.trace_id.hex(): span_attributes(s) for _, s in wait_for(lambda: len(kv_spans(sink, trace_ids)) == 2
+                                                                        and kv_spans(sink, trace_ids))}
+    first, second = spans[trace_ids[0]], spans[trace_ids[1]]
+    assert second[names.CACHE_READ_INPUT_TOKENS] > 0
+    assert first[names.CACHE_READ_INPUT_TOKENS] + second[names.CACHE_READ_INPUT_TOKENS] == gained
+    assert second[names.BLOCKS_PREFIX_HIT] * BLOCK_SIZE == second[names.CACHE_READ_INPUT_TOKENS]
+
+
+def test_a_disconnecting_stream_ends_as_abort_and_frees_its_blocks(server, sink):
+    async def disconnect():
+        client = LoadClient(server.url, str(server.config.model))
+        try:
+            return await client.stream_then_disconnect("disconnect", "Tell me a long story.", 5)
+        finally:
+            await client.close()
+
+    sent = asyncio.run(disconnect())
+    assert sent.disconnected
+    [(_, span)] = wait_for(lambda: kv_spans(sink, [sent.trace_id]))
+    attrs = span_attributes(span)
+    assert attrs[names.FINISH_REASON] == "abort"
+    assert attrs[names.BLOCKS_FREED] == attrs[names.BLOCKS_PEAK] > 0
+    assert attrs[names.OUTPUT_TOKENS] < 1000
+    # The pool's used blocks return to zero once nothing runs.
+    wait_for(lambda: latest_used_blocks(sink) == 0 or None)
+
+
+def test_growing_chats_on_a_small_pool_report_vllms_preemptions(server, sink):
+    before = prometheus_value(server.metrics_text(), "vllm:num_preemptions_total")
+
+    async def chats():
+        client = LoadClient(server.url, str(server.config.model))
+        try:
+            await asyncio.gather(*(growing_chat(client, i, turns=4, max_tokens=96) for i in range(8)))
+        finally:
+            await client.close()
+        return client.sent
+
+    sent = asyncio.run(chats())
+    assert all(s.status == 200 for s in sent)
+    preempted = prometheus_value(server.metrics_text(), "vllm:num_preemptions_total") - before
+    trace_ids = [s.trace_id for s in sent]
+    spans = wait_for(lambda: len(kv_spans(sink, trace_ids)) == len(sent) and kv_spans(sink, trace_ids))
+    by_trace = {s.trace_id.hex(): span_attributes(s) for _, s in spans}
+    assert preempted > 0, "the load must preempt for this test to mean anything"
+    assert sum(a[names.PREEMPTIONS] for a in by_trace.values()) == preempted
+    for request in sent:
+        attrs = by_trace[request.trace_id]
+        assert attrs[names.INPUT_TOKENS] == request.usage["prompt_tokens"]
+        assert attrs[names.OUTPUT_TOKENS] == request.usage["completion_tokens"]
+        preempted_events = [e for _, s in spans if s.trace_id.hex() == request.trace_id
+                            for e in s.events if e.name == names.EVENT_PREEMPTED]
+        assert len(preempted_events) == attrs[names.PREEMPTIONS]
+
+
+def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, sink):
+    resources = wait_for(lambda: [r for r, _ in sink.metrics(names.BLOCKS_LIMIT)])
+    engine_core = resources[-1]
+    assert engine_core["service.name"] == "vllm"
+    assert engine_core[names.PROCESS_ROLE] == names.ROLE_ENGINE_CORE
+    assert engine_core[names.ENGINE_INDEX] == 0
+    assert engine_core["process.pid"] != server.process.pid
+    api_server = {r["process.pid"] for r, _ in sink.spans() if r.get(names.PROCESS_ROLE) == names.ROLE_API_SERVER}
+    assert api_server == {server.process.pid}
+    workers = {r.get(names.WORKER_RANK) for r, _ in sink.spans() if r.get(names.PROCESS_ROLE) == names.ROLE_WORKER}
+    assert workers == {0}
+    [limit] = {p.as_int for _, m in sink.metrics(names.BLOCKS_LIMIT) for p in m.gauge.data_points}
+    assert limit == server.config.num_blocks - 1

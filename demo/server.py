@@ -105,16 +105,23 @@ class VLLMServer:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
             return response.read().decode()
 
-    def stop(self, timeout: float = 60) -> None:
+    def stop(self, timeout: float = 60, settle: float = 2.5) -> None:
+        """Waits ``settle`` seconds for the last periodic exports (spans every
+        0.2 s, metrics every 1 s), then lets vLLM shut down its own processes."""
         if self.process is None or self.process.poll() is not None:
             return
-        # SIGINT lets vLLM shut its engine down and the SDKs flush at exit.
-        os.killpg(self.process.pid, signal.SIGINT)
+        time.sleep(settle)
+        self.process.send_signal(signal.SIGINT)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
+            pass
+        # Whatever vLLM left behind in the session goes too.
+        try:
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
 
 def prometheus_value(metrics_text: str, name: str) -> float:

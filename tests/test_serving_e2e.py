@@ -182,3 +182,34 @@ def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, s
     assert workers == {0}
     [limit] = {p.as_int for _, m in sink.metrics(names.BLOCKS_LIMIT) for p in m.gauge.data_points}
     assert limit == server.config.num_blocks - 1
+
+
+def test_without_fastapi_the_kv_span_is_the_remote_callers_child_and_vllms_own_span_shares_the_trace(
+    tiny_model, sink, tmp_path_factory
+):
+    """No HTTP server span (FastAPI instrumentation off), and vLLM's own tracing on."""
+    config = ServerConfig(
+        model=tiny_model,
+        otlp_endpoint=sink.endpoint,
+        extra_args=["--otlp-traces-endpoint", sink.endpoint.removeprefix("http://")],
+        extra_env={"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "fastapi"},
+    )
+    server = VLLMServer(config, tmp_path_factory.mktemp("vllm-no-fastapi") / "server.log").start()
+    try:
+        trace_id, header = traceparent()
+        response = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": str(tiny_model), "prompt": "Who frees the blocks?", "max_tokens": 12, "ignore_eos": True},
+            headers={"traceparent": header},
+            timeout=60,
+        )
+        response.raise_for_status()
+        [(_, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
+        assert span.parent_span_id == bytes.fromhex(header.split("-")[2])
+        in_trace = wait_for(
+            lambda: {s.name for _, s in sink.spans() if s.trace_id == span.trace_id} - {names.KV_REQUEST_SPAN}
+        )
+        assert "llm_request" in in_trace  # vLLM's own span, exported by vLLM's tracer
+        assert not any(name.startswith("POST") for name in in_trace)  # no HTTP server span
+    finally:
+        server.stop()

@@ -1,0 +1,99 @@
+"""The main job: serve a tiny model under `opentelemetry-instrument`, load it, read the telemetry back.
+
+    python -m demo [--short] [--out DIR]
+
+Spans and metrics go to OTLP JSON files in ``DIR/otlp`` through a local OTLP
+receiver, unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set: then they go to that
+collector, and the report is left to your backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+
+from demo.load import LoadShape, run_load
+from demo.otlp_sink import OTLPSink
+from demo.report import format_summary, format_table, kv_spans, pool_summary, request_rows
+from demo.server import ServerConfig, VLLMServer
+from demo.tiny_model import make_tiny_model
+
+SHORT_LOAD = LoadShape(chats=4, turns=3, chat_max_tokens=96, burst=4, burst_max_tokens=16, streams=2)
+
+
+class Progress:
+    """One line per step, with a spinner while a slow step runs."""
+
+    def __init__(self) -> None:
+        self.console = Console(stderr=True, highlight=False)
+
+    @contextmanager
+    def step(self, text: str):
+        started = time.monotonic()
+        with self.console.status(f"{text} ..."):
+            yield self
+        self.console.print(f"[green]✓[/green] {text} ({time.monotonic() - started:.0f}s)")
+
+    def note(self, text: str) -> None:
+        self.console.print(f"  · {text}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out"), help="where the model, logs and OTLP files go")
+    parser.add_argument("--short", action="store_true", help="a shorter load (as CI runs it)")
+    parser.add_argument("--num-blocks", type=int, default=64, help="KV pool size in blocks of 32 tokens")
+    args = parser.parse_args(argv)
+    progress = Progress()
+    collector = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+
+    with progress.step("making a tiny random-weight llama and its tokenizer"):
+        model = make_tiny_model(args.out / "tiny-llama")
+
+    sink = None if collector else OTLPSink(args.out / "otlp").start()
+    endpoint = collector or sink.endpoint
+    server = VLLMServer(
+        ServerConfig(model=model, otlp_endpoint=None if collector else sink.endpoint, num_blocks=args.num_blocks),
+        args.out / "vllm-server.log",
+    )
+    shape = SHORT_LOAD if args.short else LoadShape()
+    try:
+        with progress.step(f"starting vLLM (CPU) under opentelemetry-instrument, {args.num_blocks - 1}-block KV pool"):
+            server.start()
+        progress.note(f"server {server.url}, telemetry to {endpoint}")
+        with progress.step("running the load through the OpenAI API"):
+            sent = asyncio.run(run_load(server.url, str(model), shape, progress=progress.note))
+    finally:
+        with progress.step("stopping vLLM; its processes flush their telemetry"):
+            server.stop()
+        if sink is not None:
+            sink.stop()
+
+    failed = [s for s in sent if s.status != 200]
+    if failed:
+        progress.note(f"{len(failed)} requests failed; see {server.log_path}")
+        return 1
+    if collector:
+        progress.note(f"{len(sent)} requests sent; spans and metrics went to {collector}")
+        return 0
+
+    otlp = args.out / "otlp"
+    spans = kv_spans(otlp / "traces.jsonl")
+    scenario_by_trace = {s.trace_id: s.scenario for s in sent}
+    print(format_table(request_rows(spans, scenario_by_trace)))
+    print()
+    print(format_summary(pool_summary(otlp / "metrics.jsonl")))
+    print()
+    print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
+    return 0 if len(spans) == len(sent) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""README command 1 runs to completion, and the table it prints is what the OTLP files hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _spans_in(traces_jsonl: Path) -> dict[str, dict]:
+    """request id -> attributes of the KV spans in an OTLP JSON lines file, read independently."""
+    spans = {}
+    for line in traces_jsonl.read_text().splitlines():
+        for resource_spans in json.loads(line)["resourceSpans"]:
+            for scope_spans in resource_spans["scopeSpans"]:
+                for span in scope_spans["spans"]:
+                    if span["name"] == "vllm.kv_cache.request":
+                        attrs = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+                        spans[attrs["vllm.request.id"]] = attrs
+    return spans
+
+
+def test_readme_command_1_prints_the_exported_spans(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    result = subprocess.run(
+        [str(REPO / "scripts" / "demo.sh"), "--short", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("request id")) + 2
+    rows = [line.split() for line in lines[start : lines.index("", start)]]
+    # request id, scenario (words), prompt, prefix hit, peak blocks, preempted, finish
+    table = {r[0]: (int(r[-5]), int(r[-4]), int(r[-3]), int(r[-2]), r[-1]) for r in rows}
+
+    spans = _spans_in(tmp_path / "otlp" / "traces.jsonl")
+    assert set(table) == set(spans)
+    for request_id, attrs in spans.items():
+        assert table[request_id] == (
+            int(attrs["gen_ai.usage.input_tokens"]),
+            int(attrs["gen_ai.usage.cache_read.input_tokens"]),
+            int(attrs["vllm.kv_cache.blocks.peak"]),
+            int(attrs["vllm.kv_cache.preemptions"]),
+            attrs["vllm.request.finish_reason"],
+        )
+    finish = {row[-1] for row in table.values()}
+    assert finish == {"length", "abort"}  # the streaming clients that left show as aborts
+    assert "peak used blocks" in result.stdout
+    assert "starting vLLM" in result.stderr  # the progress display

@@ -1,0 +1,76 @@
+"""After a fork (vLLM's start method on many GPU setups), our state and the SDK's exporters work in the child."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from demo.otlp_sink import OTLPSink, attributes_of
+from otel_kvcache import names
+
+TESTS = Path(__file__).resolve().parent
+
+CHILD_PROGRAM = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    sys.path.insert(0, {tests!r})
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from otel_kvcache import VLLMKVCacheInstrumentor
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter({endpoint!r}, insecure=True)))
+    reader = PeriodicExportingMetricReader(OTLPMetricExporter({endpoint!r}, insecure=True), 200)
+    meter_provider = MeterProvider(metric_readers=[reader])
+    VLLMKVCacheInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+    from engine_harness import EngineHarness, make_model_config, make_scheduler
+    model_config = make_model_config(tempfile.mkdtemp())
+    # The parent runs an engine first, so state exists before the fork.
+    parent_engine = EngineHarness(make_scheduler(model_config, num_blocks=40))
+    parent_engine.add(parent_engine.make_request("before-fork", prompt_len=50, max_tokens=4))
+    parent_engine.run()
+
+    pid = os.fork()
+    if pid == 0:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=40))
+        for i in range(3):
+            engine.add(engine.make_request(f"in-child-{{i}}", prompt_len=60, max_tokens=6))
+        engine.run()
+        tracer_provider.force_flush()
+        meter_provider.force_flush()
+        print("child", os.getpid(), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+    sys.exit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_spans_and_metrics_from_a_forked_child_are_exported():
+    sink = OTLPSink().start()
+    try:
+        program = CHILD_PROGRAM.format(tests=str(TESTS), endpoint=f"127.0.0.1:{sink.port}")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        request_ids = {
+            attributes_of(span.attributes)[names.REQUEST_ID]
+            for _, span in sink.spans()
+            if span.name == names.KV_REQUEST_SPAN
+        }
+        assert {"in-child-0", "in-child-1", "in-child-2", "before-fork"} <= request_ids
+        # The child's counters carry on from the parent's: 50 prompt tokens before the fork, 3 x 60 after.
+        queries = {p.as_int for _, m in sink.metrics(names.PREFIX_CACHE_QUERIES) for p in m.sum.data_points}
+        assert 50 + 3 * 60 in queries
+    finally:
+        sink.stop()

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -70,7 +70,17 @@ def make_scheduler(
     max_num_batched_tokens: int = 4096,
     enable_prefix_caching: bool = True,
     data_parallel_rank: int = 0,
+    log_stats: bool = True,
+    kv_events: bool = True,
+    kv_cache_metrics_sample: float | None = None,
 ) -> Scheduler:
+    """A real Scheduler on one full-attention KV group; ``kv_cache_metrics_sample``
+    turns on vLLM's own ``--kv-cache-metrics`` at that sample rate."""
+    observability = (
+        ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=kv_cache_metrics_sample)
+        if kv_cache_metrics_sample
+        else ObservabilityConfig()
+    )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -80,7 +90,8 @@ def make_scheduler(
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
+        observability_config=observability,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     vllm_config.parallel_config.data_parallel_index = data_parallel_rank
@@ -99,7 +110,7 @@ def make_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
-        log_stats=True,
+        log_stats=log_stats,
     )
 
 

@@ -99,7 +99,7 @@ def test_opentelemetry_instrument_loads_it_through_the_entry_point():
         from otel_kvcache import VLLMKVCacheInstrumentor
         import vllm.v1.core.kv_cache_manager as manager
         print(VLLMKVCacheInstrumentor().is_instrumented_by_opentelemetry)
-        print(type(manager.KVCacheManager.__dict__["allocate_slots"]).__name__)
+        print(type(manager.KVCacheManager.__dict__["record_prefix_cache_stats"]).__name__)
         """,
         OPENTELEMETRY_INSTRUMENT,
     )

@@ -67,18 +67,18 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
         # Now make every piece of our own code raise, before and after vLLM's calls.
         for method in (
             "on_request_added",
-            "on_allocated",
-            "on_stall",
+            "on_admission_attempt",
             "on_prefix_cache_lookup",
+            "on_scheduled",
+            "on_stall",
             "before_preempt",
             "on_preempted",
             "before_release",
             "on_released",
-            "on_evicted",
             "on_step_end",
         ):
             monkeypatch.setattr(EngineTelemetry, method, _fail)
-        for method in ("on_freed", "on_touching", "on_reset"):
+        for method in ("on_freed", "on_touching", "on_reset", "before_allocating", "on_evicted"):
             monkeypatch.setattr(PoolTracker, method, _fail)
         with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
             failing = _workload(model_config)
@@ -89,8 +89,10 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
     assert failing == baseline
     errors = telemetry.points(names.INSTRUMENTATION_ERRORS)
     hooks = {p.attributes[names.HOOK] for p in errors}
-    assert {"Scheduler.add_request", "KVCacheManager.allocate_slots", "Scheduler._free_blocks",
-            "Scheduler._preempt_request", "BlockPool.free_blocks", "BlockPool.touch"} <= hooks
+    assert {"Scheduler.add_request", "Scheduler.schedule", "Scheduler._get_local_prefix_cache_hit",
+            "Scheduler._free_blocks", "Scheduler._preempt_request", "Scheduler.update_from_output",
+            "KVCacheManager.record_prefix_cache_stats", "BlockPool.free_blocks", "BlockPool.touch",
+            "BlockPool.get_new_blocks"} <= hooks
     assert sum(p.value for p in errors) > len(hooks)  # counted every time...
     logged = [r for r in caplog.records if "injected" in str(r.exc_info and r.exc_info[1])]
     assert len(logged) == len(hooks)  # ...logged once per kind
@@ -99,8 +101,8 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
 def test_vllm_exceptions_pass_through_unchanged(model_config, telemetry):
     engine = EngineHarness(make_scheduler(model_config, num_blocks=24))
     request = engine.add(engine.make_request("r", prompt_len=20))
-    with pytest.raises(ValueError, match="num_new_tokens must be greater than 0"):
-        engine.scheduler.kv_cache_manager.allocate_slots(request, 0)
+    with pytest.raises(ValueError, match="Cannot get 1000000 free blocks from the pool"):
+        engine.scheduler.kv_cache_manager.block_pool.get_new_blocks(1_000_000)
     with pytest.raises(AssertionError, match="Only running requests can be preempted"):
         engine.scheduler._preempt_request(request, 0.0)
     assert request.status == RequestStatus.WAITING

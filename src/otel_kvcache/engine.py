@@ -2,12 +2,21 @@
 
 One ``EngineTelemetry`` lives beside each vLLM ``Scheduler`` (one per
 EngineCore, i.e. per data-parallel rank). Everything here runs on the engine
-thread; the only thing other threads read is ``snapshot``, which is replaced
-whole once per step.
+thread, so it is written for the scheduler's hot loop:
+
+- nothing runs per scheduled request per step: a request is looked at when it
+  is admitted, preempted or released, and a step costs a handful of attribute
+  reads;
+- counters are plain integers, read by observable counters on the metric
+  reader's thread; the gauges read ``snapshot``, replaced whole once per step;
+- a request's span is built once, when its blocks are released, from what its
+  small record collected (start time, events with their timestamps). A live
+  request costs a record, not an SDK span.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from opentelemetry import trace
@@ -19,7 +28,7 @@ from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.pool import PoolTracker
-from otel_kvcache.vllm_compat import engine_index, finish_reason
+from otel_kvcache.vllm_compat import engine_index, finish_reason, is_waiting_for_blocks
 
 # Requests that leave the scheduler without passing a release hook (a path a
 # future vLLM adds, say) are swept this often, so our state stays bounded.
@@ -30,11 +39,13 @@ class RequestRecord:
     """What one live request did to the pool so far."""
 
     __slots__ = (
-        "span",
-        "held",
+        "start_ns",
+        "events",
         "peak",
         "allocated",
         "prefix_hit_blocks",
+        "period_hit_blocks",
+        "pending_hit_tokens",
         "cache_read_tokens",
         "preemptions",
         "recomputed_tokens",
@@ -42,26 +53,34 @@ class RequestRecord:
         "last_stall_step",
     )
 
-    def __init__(self, span: trace.Span) -> None:
-        self.span = span
-        self.held = 0
+    def __init__(self, start_ns: int) -> None:
+        self.start_ns = start_ns
+        self.events: list[tuple[str, int, dict]] = []
         self.peak = 0
         self.allocated = 0
         self.prefix_hit_blocks = 0
+        self.period_hit_blocks = 0  # prefix-hit blocks of the current admission
+        self.pending_hit_tokens = 0  # prefix lookup of an admission not yet confirmed
         self.cache_read_tokens = 0
         self.preemptions = 0
         self.recomputed_tokens = 0
         self.stalls = 0
         self.last_stall_step = -1
 
+    def end_admission_period(self, held: int) -> None:
+        """Blocks held when an admission ends: peak, and the new ones among them.
 
-def count_blocks(kv_cache_blocks: Any) -> int:
-    """Real blocks in a ``KVCacheBlocks`` (all groups), null placeholders skipped."""
-    return sum(1 for group in kv_cache_blocks.blocks for block in group if not block.is_null)
+        With full attention a request's blocks only grow while it runs, so the
+        blocks it holds when preempted or released are its most in that period.
+        """
+        if held > self.peak:
+            self.peak = held
+        self.allocated += max(held - self.period_hit_blocks, 0)
+        self.period_hit_blocks = 0
 
 
 class EngineTelemetry:
-    """KV telemetry of one scheduler: live request records and the pool tracker."""
+    """KV telemetry of one scheduler: live request records, the pool tracker, counters."""
 
     def __init__(
         self,
@@ -80,6 +99,12 @@ class EngineTelemetry:
         self.requests: dict[str, RequestRecord] = {}
         self.step = 0
         self.snapshot = self.pool.snapshot()
+        # Cumulative counters, exported by observable counters.
+        self.preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.allocation_stalls = 0
+        self._attempted: list[Any] = []  # admissions tried this step
         self._type_managers = tuple(manager.coordinator.single_type_managers)
         self._scheduler_requests: dict[str, Any] = scheduler.requests
         instruments.engines.add(self)
@@ -95,83 +120,78 @@ class EngineTelemetry:
                 held += sum(1 for block in blocks if not block.is_null)
         return held
 
-    def _pool_attributes(self) -> dict[str, int]:
+    def _event(self, record: RequestRecord, name: str, attributes: dict) -> None:
         free = self.pool.pool.get_num_free_blocks()
-        return {names.POOL_FREE_BLOCKS: free, names.POOL_USED_BLOCKS: self.pool.limit - free}
+        attributes[names.POOL_FREE_BLOCKS] = free
+        attributes[names.POOL_USED_BLOCKS] = self.pool.limit - free
+        record.events.append((name, time.time_ns(), attributes))
 
     # --- request lifecycle ----------------------------------------------------
 
     def on_request_added(self, request: Any) -> None:
-        if request.request_id in self.requests:
-            return  # a streaming-input session adding its next chunk
-        headers = request.trace_headers
-        parent = extract(headers, context=Context()) if headers else Context()
-        span = self.tracer.start_span(
-            names.KV_REQUEST_SPAN,
-            context=parent,
-            kind=SpanKind.INTERNAL,
-            start_time=int(request.arrival_time * 1e9),
-            attributes={
-                names.REQUEST_ID: request.request_id,
-                names.INPUT_TOKENS: request.num_prompt_tokens,
-                names.BLOCK_SIZE: self.block_size,
-            },
-        )
-        self.requests[request.request_id] = RequestRecord(span)
+        if request.request_id not in self.requests:  # else a streaming-input session's next chunk
+            self.requests[request.request_id] = RequestRecord(int(request.arrival_time * 1e9))
 
-    def on_allocated(
-        self, request: Any, new_blocks: Any, hit_blocks: Any, hit_tokens: int, admission: bool
-    ) -> None:
-        """After a successful ``allocate_slots``: at admission, or when a running request grew."""
+    def on_admission_attempt(self, request: Any) -> None:
+        self._attempted.append(request)
+
+    def on_prefix_cache_lookup(self, request: Any, num_hits: int, counted: bool) -> None:
         record = self.requests.get(request.request_id)
-        if record is None:
-            return
-        record.allocated += count_blocks(new_blocks)
-        record.held = self.held_blocks(request.request_id)
-        if record.held > record.peak:
-            record.peak = record.held
-        if not admission:
-            return
-        if hit_blocks is not None:
-            record.prefix_hit_blocks += count_blocks(hit_blocks)
+        if record is not None:
+            record.pending_hit_tokens = num_hits
+        if counted:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hits
+
+    def on_scheduled(self, output: Any) -> None:
+        """After ``schedule()``: the step's admissions, and the attempts that found no blocks."""
+        admitted = [new.req_id for new in output.scheduled_new_reqs]
+        admitted.extend(output.scheduled_cached_reqs.resumed_req_ids)
+        for request_id in admitted:
+            record = self.requests.get(request_id)
+            if record is not None:
+                self._admitted(record, request_id)
+        if self._attempted:
+            admitted_ids = set(admitted)
+            for request in self._attempted:
+                if request.request_id not in admitted_ids and is_waiting_for_blocks(request):
+                    self.on_stall(request)
+            self._attempted.clear()
+
+    def _admitted(self, record: RequestRecord, request_id: str) -> None:
+        hit_tokens, record.pending_hit_tokens = record.pending_hit_tokens, 0
+        hit_blocks = -(-hit_tokens // self.block_size)
+        record.cache_read_tokens += hit_tokens
+        record.prefix_hit_blocks += hit_blocks
+        record.period_hit_blocks = hit_blocks
+        held = self.held_blocks(request_id)
+        if held > record.peak:
+            record.peak = held
         event = names.EVENT_RESUMED if record.preemptions else names.EVENT_ADMITTED
-        record.span.add_event(
-            event,
-            {names.BLOCKS: record.held, names.EVENT_PREFIX_HIT_TOKENS: hit_tokens, **self._pool_attributes()},
-        )
+        self._event(record, event, {names.BLOCKS: held, names.EVENT_PREFIX_HIT_TOKENS: hit_tokens})
 
     def on_stall(self, request: Any) -> None:
+        """The scheduler tried to give this request blocks in this step and found none."""
         record = self.requests.get(request.request_id)
         if record is None or record.last_stall_step == self.step:
             return
         record.last_stall_step = self.step
         record.stalls += 1
-        self.instruments.allocation_stalls.add(1, self.attributes)
-
-    def on_prefix_cache_lookup(self, request: Any, num_hits: int, counted: bool) -> None:
-        record = self.requests.get(request.request_id)
-        if record is not None:
-            record.cache_read_tokens += num_hits
-        if counted:
-            self.instruments.prefix_cache_queries.add(request.num_tokens, self.attributes)
-            self.instruments.prefix_cache_hits.add(num_hits, self.attributes)
+        self.allocation_stalls += 1
 
     def before_preempt(self, request: Any) -> tuple[int, int]:
         return self.held_blocks(request.request_id), request.num_computed_tokens
 
     def on_preempted(self, request: Any, held_and_computed: tuple[int, int]) -> None:
         released, computed = held_and_computed
-        self.instruments.preemptions.add(1, self.attributes)
+        self.preemptions += 1
         record = self.requests.get(request.request_id)
         if record is None:
             return
         record.preemptions += 1
         record.recomputed_tokens += computed
-        record.held = 0
-        record.span.add_event(
-            names.EVENT_PREEMPTED,
-            {names.BLOCKS: released, names.RECOMPUTED_TOKENS: computed, **self._pool_attributes()},
-        )
+        record.end_admission_period(released)
+        self._event(record, names.EVENT_PREEMPTED, {names.BLOCKS: released, names.RECOMPUTED_TOKENS: computed})
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
@@ -179,21 +199,26 @@ class EngineTelemetry:
     def on_released(self, request: Any, freed: int) -> None:
         record = self.requests.pop(request.request_id, None)
         if record is not None:
-            self._end(record, request, freed)
+            record.end_admission_period(freed)
+            reason = finish_reason(request.status)
+            self._event(record, names.EVENT_RELEASED, {names.BLOCKS: freed, names.FINISH_REASON: reason})
+            self._export(record, request, freed, reason)
         # An abort can free blocks while the engine idles, with no step to follow.
         self.snapshot = self.pool.snapshot()
 
-    def _end(self, record: RequestRecord, request: Any, freed: int) -> None:
-        reason = finish_reason(request.status)
-        span = record.span
-        span.add_event(
-            names.EVENT_RELEASED,
-            {names.BLOCKS: freed, names.FINISH_REASON: reason, **self._pool_attributes()},
-        )
-        span.set_attributes(
-            {
+    def _export(self, record: RequestRecord, request: Any, freed: int, reason: str) -> None:
+        headers = request.trace_headers
+        span = self.tracer.start_span(
+            names.KV_REQUEST_SPAN,
+            context=extract(headers, context=Context()) if headers else Context(),
+            kind=SpanKind.INTERNAL,
+            start_time=record.start_ns,
+            attributes={
+                names.REQUEST_ID: request.request_id,
+                names.INPUT_TOKENS: request.num_prompt_tokens,
                 names.OUTPUT_TOKENS: request.num_output_tokens,
                 names.CACHE_READ_INPUT_TOKENS: record.cache_read_tokens,
+                names.BLOCK_SIZE: self.block_size,
                 names.BLOCKS_PEAK: record.peak,
                 names.BLOCKS_ALLOCATED: record.allocated,
                 names.BLOCKS_PREFIX_HIT: record.prefix_hit_blocks,
@@ -202,24 +227,21 @@ class EngineTelemetry:
                 names.RECOMPUTED_TOKENS: record.recomputed_tokens,
                 names.ALLOCATION_STALLS: record.stalls,
                 names.FINISH_REASON: reason,
-            }
+            },
         )
-        span.end()
+        for name, timestamp, attributes in record.events:
+            span.add_event(name, attributes, timestamp)
+        span.end(record.events[-1][1])
         # Recorded in the span's context so exporters can attach it as an exemplar.
         context = trace.set_span_in_context(span)
         instruments = self.instruments
         instruments.request_blocks.record(record.peak, self.attributes, context=context)
         instruments.request_preemptions.record(record.preemptions, self.attributes, context=context)
-        prompt_tokens = request.num_prompt_tokens
-        if prompt_tokens:
-            ratio = min(record.cache_read_tokens / prompt_tokens, 1.0)
+        if request.num_prompt_tokens:
+            ratio = min(record.cache_read_tokens / request.num_prompt_tokens, 1.0)
             instruments.request_prefix_hit_ratio.record(ratio, self.attributes, context=context)
 
-    # --- pool -------------------------------------------------------------------
-
-    def on_evicted(self, was_cached_free: bool) -> None:
-        self.pool.on_evicted(was_cached_free)
-        self.instruments.evictions.add(1, self.attributes)
+    # --- steps --------------------------------------------------------------------
 
     def on_step_end(self) -> None:
         """Once per engine step: publish the pool snapshot for the gauges."""
@@ -231,6 +253,4 @@ class EngineTelemetry:
     def _sweep(self) -> None:
         live = self._scheduler_requests
         for request_id in [rid for rid in self.requests if rid not in live]:
-            record = self.requests.pop(request_id)
-            record.span.set_attribute(names.FINISH_REASON, "unknown")
-            record.span.end()
+            del self.requests[request_id]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -14,33 +14,53 @@ if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
 
 
+def _preemptions(engine: EngineTelemetry) -> int:
+    return engine.preemptions
+
+
+def _evictions(engine: EngineTelemetry) -> int:
+    return engine.pool.evictions
+
+
+def _queries(engine: EngineTelemetry) -> int:
+    return engine.prefix_cache_queries
+
+
+def _hits(engine: EngineTelemetry) -> int:
+    return engine.prefix_cache_hits
+
+
+def _stalls(engine: EngineTelemetry) -> int:
+    return engine.allocation_stalls
+
+
 class KVCacheInstruments:
-    """Counters and histograms the engine thread records into, and the pool
+    """The histograms the engine thread records into, and the counters and pool
     gauges the metric reader's thread observes.
 
-    The gauges read the snapshot each engine published at the end of its last
-    step, never vLLM's live structures.
+    Observable instruments read integers the engine thread keeps and the
+    snapshot each engine published at the end of its last step, never vLLM's
+    live structures.
     """
 
     def __init__(self, meter: Meter) -> None:
         self.engines: weakref.WeakSet[EngineTelemetry] = weakref.WeakSet()
-        self.preemptions = meter.create_counter(
-            names.PREEMPTIONS, unit="{preemption}", description="Requests preempted to free KV blocks."
-        )
-        self.evictions = meter.create_counter(
-            names.EVICTIONS, unit="{block}", description="Prefix-cache blocks evicted for reuse."
-        )
-        self.prefix_cache_queries = meter.create_counter(
-            names.PREFIX_CACHE_QUERIES, unit="{token}", description="Tokens looked up in the prefix cache."
-        )
-        self.prefix_cache_hits = meter.create_counter(
-            names.PREFIX_CACHE_HITS, unit="{token}", description="Tokens found in the prefix cache."
-        )
-        self.allocation_stalls = meter.create_counter(
-            names.ALLOCATION_STALLS,
-            unit="{stall}",
-            description="Request-steps in which a scheduled request got no KV blocks.",
-        )
+        # Counted as plain integers on the engine thread, read here.
+        for name, unit, description, read in (
+            (names.PREEMPTIONS, "{preemption}", "Requests preempted to free KV blocks.", _preemptions),
+            (names.EVICTIONS, "{block}", "Prefix-cache blocks evicted for reuse.", _evictions),
+            (names.PREFIX_CACHE_QUERIES, "{token}", "Tokens looked up in the prefix cache.", _queries),
+            (names.PREFIX_CACHE_HITS, "{token}", "Tokens found in the prefix cache.", _hits),
+            (
+                names.ALLOCATION_STALLS,
+                "{stall}",
+                "Request-steps in which a scheduled request got no KV blocks.",
+                _stalls,
+            ),
+        ):
+            meter.create_observable_counter(
+                name, callbacks=[self._counter_callback(read)], unit=unit, description=description
+            )
         self.request_blocks = meter.create_histogram(
             names.REQUEST_BLOCKS,
             unit="{block}",
@@ -82,6 +102,13 @@ class KVCacheInstruments:
             unit="1",
             description="Share of the pool referenced by requests; evictable cached blocks count as free.",
         )
+
+    def _counter_callback(self, read: Callable[[EngineTelemetry], int]):
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for engine in list(self.engines):
+                yield Observation(read(engine), engine.attributes)
+
+        return observe
 
     def _snapshots(self):
         for engine in list(self.engines):

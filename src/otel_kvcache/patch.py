@@ -19,7 +19,7 @@ from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
 from otel_kvcache.resource import name_child_process_wrapper
-from otel_kvcache.vllm_compat import allocate_slots_arguments, first_argument, running_status
+from otel_kvcache.vllm_compat import first_argument, request_being_scheduled
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each instrumented Scheduler, its KVCacheManager and its BlockPool."""
@@ -73,31 +73,12 @@ def _request_added(engine, scheduler, args, kwargs, result, state):
     engine.on_request_added(first_argument(args, kwargs, "request"))
 
 
-def _allocate_factory(hook: str, errors: InstrumentationErrors) -> Wrapper:
-    """``allocate_slots`` runs for every scheduled request in every step, so
-    its wrapper leaves after one identity check in the common case: a running
-    request's decode step that needed no new block."""
-    running = running_status()
+def _scheduled(engine, scheduler, args, kwargs, output, state):
+    engine.on_scheduled(output)
 
-    def wrapper(wrapped, instance, args, kwargs):
-        new_blocks = wrapped(*args, **kwargs)
-        try:
-            request, hit_blocks, hit_tokens = allocate_slots_arguments(args, kwargs)
-            admission = request.status is not running
-            if new_blocks is instance.empty_kv_cache_blocks and not admission:
-                return new_blocks
-            engine = getattr(instance, ENGINE_ATTRIBUTE, None)
-            if engine is None or not is_instrumentation_enabled():
-                return new_blocks
-            if new_blocks is None:
-                engine.on_stall(request)
-            else:
-                engine.on_allocated(request, new_blocks, hit_blocks, hit_tokens, admission)
-        except Exception as exc:  # noqa: BLE001
-            errors.record(hook, exc)
-        return new_blocks
 
-    return wrapper
+def _admission_attempted(engine, scheduler, args, kwargs, result, state):
+    engine.on_admission_attempt(first_argument(args, kwargs, "request"))
 
 
 def _prefix_lookup(engine, manager, args, kwargs, result, state):
@@ -107,6 +88,9 @@ def _prefix_lookup(engine, manager, args, kwargs, result, state):
 
 
 def _before_preempt(engine, scheduler, args, kwargs):
+    stalled = request_being_scheduled()
+    if stalled is not None:
+        engine.on_stall(stalled)
     return engine.before_preempt(first_argument(args, kwargs, "request"))
 
 
@@ -126,14 +110,16 @@ def _step_end(engine, scheduler, args, kwargs, result, state):
     engine.on_step_end()
 
 
-def _before_evict(engine, pool, args, kwargs):
-    block = first_argument(args, kwargs, "block")
-    return block.ref_cnt == 0 and not block.is_null
+def _before_allocating(engine, pool, args, kwargs):
+    return engine.pool.before_allocating(first_argument(args, kwargs, "num_blocks"))
 
 
-def _evicted(engine, pool, args, kwargs, evicted, was_cached_free):
-    if evicted:
-        engine.on_evicted(was_cached_free)
+def _evicted(engine, pool, args, kwargs, result, evicted):
+    engine.pool.on_evicted(evicted)
+
+
+def _before_evicting(engine, pool, args, kwargs):
+    return engine.pool.before_evicting(first_argument(args, kwargs, "block_ids"))
 
 
 def _before_touch(engine, pool, args, kwargs):
@@ -182,9 +168,11 @@ def build_wrappers(
         "preempt": observing(_preempted, _before_preempt),
         "release": observing(_released, _before_release),
         "step_end": observing(_step_end),
-        "allocate": lambda hook: _allocate_factory(hook, errors),
+        "scheduled": observing(_scheduled),
+        "admission_attempt": observing(_admission_attempted),
         "prefix_lookup": observing(_prefix_lookup),
-        "evict": observing(_evicted, _before_evict),
+        "allocate_blocks": observing(_evicted, _before_allocating),
+        "evict_blocks": observing(_evicted, _before_evicting),
         "free_blocks": lambda hook: _free_blocks_factory(hook, errors),
         "touch": observing(_nothing_after, _before_touch),
         "reset_prefix_cache": observing(_prefix_cache_reset),

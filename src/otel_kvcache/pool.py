@@ -5,8 +5,9 @@ free blocks still hold a reusable prefix (they are evictable, yet a later
 request may hit them). Scanning the pool for that is O(blocks) per step, so
 ``PoolTracker`` counts the transitions instead, from the only places a block
 changes state: ``free_blocks`` (a block's last reference goes), ``touch`` (a
-prefix hit takes a cached block back), ``_maybe_evict_cached_block`` (a hash is
-dropped) and ``reset_prefix_cache``. Each costs O(blocks passed to that call).
+prefix hit takes a cached block back), ``get_new_blocks`` (blocks popped off
+the free queue lose their hash: evictions) and ``reset_prefix_cache``. Each
+costs O(blocks passed to that call).
 """
 
 from __future__ import annotations
@@ -56,10 +57,27 @@ class PoolTracker:
         """Before ``touch``: a prefix hit takes these blocks back out of the cache."""
         self.cached -= sum(1 for block in blocks if _is_cached_free(block))
 
-    def on_evicted(self, was_cached_free: bool) -> None:
-        self.evictions += 1
-        if was_cached_free:
-            self.cached -= 1
+    def before_allocating(self, num_blocks: int) -> int:
+        """Before ``get_new_blocks(n)``: how many of the n blocks at the head of the
+        free queue still hold a prefix; popping them evicts it."""
+        evicted = 0
+        block = self.pool.free_block_queue.fake_free_list_head.next_free_block
+        for _ in range(num_blocks):
+            if block is None or block.is_null:
+                break
+            if block.block_hash is not None:
+                evicted += 1
+            block = block.next_free_block
+        return evicted
+
+    def before_evicting(self, block_ids) -> int:
+        """Before ``evict_blocks`` (a KV connector's): the free cached blocks among them."""
+        blocks = self.pool.blocks
+        return sum(1 for block_id in block_ids if _is_cached_free(blocks[block_id]))
+
+    def on_evicted(self, evicted: int) -> None:
+        self.evictions += evicted
+        self.cached -= evicted
 
     def on_reset(self) -> None:
         self.cached = 0

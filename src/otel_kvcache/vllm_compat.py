@@ -8,6 +8,7 @@ name and the others keep working.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 from otel_kvcache import names
@@ -37,6 +38,11 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(SCHEDULER_MODULE, "Scheduler", "__init__", "scheduler_init"),
     # Admits a new request (also called again for streaming-input chunks).
     HookPoint(SCHEDULER_MODULE, "Scheduler", "add_request", "request_added"),
+    # Once per step; its output lists the step's new and resumed requests.
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "schedule", "scheduled"),
+    # The waiting loop's prefix lookup: one call per admission attempt of a
+    # new or preempted request, before its blocks are allocated.
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "_get_local_prefix_cache_hit", "admission_attempt"),
     # Frees all of a request's blocks and increments Request.num_preemptions.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "_preempt_request", "preempt"),
     # Every finished request (stopped, aborted, errored, after a delayed
@@ -44,17 +50,18 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(SCHEDULER_MODULE, "Scheduler", "_free_blocks", "release"),
     # Runs once per engine step, after the step's frees.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "update_from_output", "step_end"),
-    # Returns None when the pool has no room: an allocation stall.
-    HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "allocate_slots", "allocate"),
     # Called once per successful admission with the local prefix-hit tokens
     # (get_computed_blocks also runs for admissions that fail and over-counts).
     HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "record_prefix_cache_stats", "prefix_lookup"),
-    # Returns True for a real prefix-cache eviction.
-    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "_maybe_evict_cached_block", "evict"),
+    # Pops blocks off the head of the free queue; a popped block that still
+    # holds a prefix hash is evicted from the prefix cache.
+    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "get_new_blocks", "allocate_blocks"),
     # The last reference of a block goes; hashed blocks stay as evictable cache.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "free_blocks", "free_blocks"),
     # A prefix hit takes cached blocks back into use.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "touch", "touch"),
+    # A KV connector drops blocks from the prefix cache by id.
+    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "evict_blocks", "evict_blocks"),
     # Drops every hash at once.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "reset_prefix_cache", "reset_prefix_cache"),
     # API server: drops the HTTP request's trace headers without --otlp-traces-endpoint.
@@ -83,11 +90,24 @@ FINISH_REASONS = {
 }
 
 
-def running_status() -> Any:
-    """RequestStatus.RUNNING: allocate_slots for a request in any other status admits it (new or resumed)."""
-    from vllm.v1.request import RequestStatus  # noqa: PLC0415 - only once vLLM is imported
+def is_waiting_for_blocks(request: Any) -> bool:
+    """After ``schedule()``: an admission attempt that left the request waiting (not
+    one parked for a remote KV transfer or a grammar) found no blocks."""
+    return request.status.name in ("WAITING", "PREEMPTED")
 
-    return RequestStatus.RUNNING
+
+def request_being_scheduled() -> Any | None:
+    """The request whose allocation failed when ``schedule()`` preempts to make room.
+
+    vLLM 0.32's running loop holds it in the local variable ``request`` of
+    ``Scheduler.schedule`` while it preempts (the victim may be that request
+    itself). Read only on a preemption; None when called from elsewhere
+    (``reset_prefix_cache`` preempts too).
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "schedule":
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals.get("request")
 
 
 def finish_reason(status: Any) -> str:
@@ -101,14 +121,6 @@ def engine_index(vllm_config: Any) -> int:
     if index is None:
         index = getattr(parallel, "data_parallel_rank", 0)
     return int(index or 0)
-
-
-def allocate_slots_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any, int]:
-    """(request, new_computed_blocks, num_new_computed_tokens) of a KVCacheManager.allocate_slots call."""
-    request = args[0] if args else kwargs["request"]
-    hit_blocks = kwargs.get("new_computed_blocks", args[3] if len(args) > 3 else None)
-    hit_tokens = kwargs.get("num_new_computed_tokens", args[2] if len(args) > 2 else 0)
-    return request, hit_blocks, hit_tokens
 
 
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:

@@ -1,0 +1,274 @@
+"""What otel-kvcache costs vLLM's scheduler loop, measured against the uninstrumented engine.
+
+    python -m benchmarks.overhead [--pairs N] [--quick]
+
+Each variant runs in its own long-lived process, driving the real V1
+scheduler with fake model outputs at constant concurrency. The coordinator
+alternates timed chunks between them (a pair = one chunk of each, in
+alternating order), so drifts of the machine hit both sides of a pair:
+
+- ``base``: uninstrumented, vLLM's ``log_stats`` on (its default when serving);
+- ``otel``: instrumented: every request traced, spans through the SDK's batch
+  processor into an exporter that discards, a periodic metric reader;
+- ``base-again``: a second uninstrumented process, for the A/A spread;
+- anchors on decode-heavy: ``log_stats`` off, and vLLM's ``--kv-cache-metrics``
+  at sample rate 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+import timeit
+import tracemalloc
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+
+from benchmarks.scheduler_driver import Driver, Workload, workloads
+
+CHUNK_SECONDS = 0.4
+
+VARIANTS = {
+    "base": {"instrumented": False, "log_stats": True},
+    "otel": {"instrumented": True, "log_stats": True},
+    "base-again": {"instrumented": False, "log_stats": True},
+    "no-log-stats": {"instrumented": False, "log_stats": False},
+    "kv-cache-metrics-1.0": {"instrumented": False, "log_stats": True, "kv_cache_metrics_sample": 1.0},
+}
+
+
+# --- the worker processes ------------------------------------------------------------
+
+
+def _instrument():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    from otel_kvcache import VLLMKVCacheInstrumentor
+
+    class DiscardSpans(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    class DiscardMetrics(MetricExporter):
+        def __init__(self):
+            super().__init__()
+
+        def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis=10_000):
+            return True
+
+        def shutdown(self, timeout_millis=30_000, **kwargs):
+            pass
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(DiscardSpans()))
+    reader = PeriodicExportingMetricReader(DiscardMetrics(), export_interval_millis=5_000)
+    meter_provider = MeterProvider(metric_readers=[reader])
+    VLLMKVCacheInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    return meter_provider
+
+
+def _worker(connection: Connection, variant: dict) -> None:
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    if variant.get("instrumented"):
+        _instrument()
+    driver = None
+    while True:
+        command, argument = connection.recv()
+        if command == "setup":
+            workload = Workload(**argument)
+            driver = None
+            driver = Driver(workload, variant["log_stats"], variant.get("kv_cache_metrics_sample"))
+            driver.top_up()
+            started = time.process_time()
+            driver.run(2 * workload.output_len)  # past the first wave: a steady mix of ages
+            step_seconds = (time.process_time() - started) / driver.steps
+            freeze_gc_heap()  # as vLLM's EngineCore does once it is warm
+            connection.send(step_seconds)
+        elif command == "run":
+            # CPU time of the whole process: work moved to the SDK's export
+            # threads is still counted.
+            finished, started = driver.finished, time.process_time()
+            driver.run(argument)
+            connection.send((time.process_time() - started, driver.finished - finished))
+        elif command == "quit":
+            connection.send(None)
+            return
+
+
+class Worker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_worker, args=(child, VARIANTS[name]), daemon=True)
+        self.process.start()
+
+    def ask(self, command: str, argument=None):
+        self.connection.send((command, argument))
+        return self.connection.recv()
+
+    def close(self) -> None:
+        self.ask("quit")
+        self.process.join(30)
+
+
+# --- measurements --------------------------------------------------------------------
+
+
+def _spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
+    return {"median": statistics.median(ordered), "p25": q[0], "p75": q[2], "min": ordered[0], "max": ordered[-1]}
+
+
+def paired(workers: dict[str, Worker], workload: Workload, pairs: int, against: str = "base") -> dict:
+    """Alternating timed chunks; ratios of each other variant to ``against``, pair by pair."""
+    step_seconds = {name: w.ask("setup", asdict(workload)) for name, w in workers.items()}
+    steps = max(10, int(CHUNK_SECONDS / step_seconds[against]))
+    times: dict[str, list[float]] = {name: [] for name in workers}
+    finished: dict[str, list[int]] = {name: [] for name in workers}
+    order = list(workers)
+    for pair in range(pairs):
+        for name in order if pair % 2 == 0 else reversed(order):
+            elapsed, done = workers[name].ask("run", steps)
+            times[name].append(elapsed)
+            finished[name].append(done)
+    result = {"workload": workload.name, "steps_per_chunk": steps, "base_step_ms": 1e3 * statistics.median(times[against]) / steps}
+    for name in workers:
+        if name == against:
+            continue
+        ratios = [t / b for t, b in zip(times[name], times[against])]
+        extra = [t - b for t, b in zip(times[name], times[against])]
+        result[name] = {
+            "ratio": _spread(ratios),
+            "us_per_step": 1e6 * statistics.median(extra) / steps,
+            "us_per_request": 1e6 * statistics.median(extra) / max(1, statistics.median(finished[name])),
+        }
+    return result
+
+
+def memory_per_request(workload: Workload) -> float:
+    """Bytes held by otel-kvcache and the SDK (the spans) per in-flight request."""
+    _instrument()
+    driver = Driver(workload)
+    driver.top_up()
+    driver.run(workload.output_len + 64)
+    tracemalloc.start(32)
+    fresh = Driver(workload)  # everything this one's requests hold is allocated while tracing
+    fresh.top_up()
+    fresh.run(32)
+    snapshot = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    # Allocated by our code or by the OpenTelemetry SDK (which only we call here).
+    ours = snapshot.filter_traces(
+        [tracemalloc.Filter(True, "*/otel_kvcache/*"), tracemalloc.Filter(True, "*/opentelemetry/*")]
+    )
+    in_flight = len(fresh.scheduler.requests)
+    return sum(stat.size for stat in ours.statistics("filename")) / in_flight
+
+
+def pool_metric_cost() -> dict[int, float]:
+    """Microseconds the per-step pool work costs (snapshot + gauge collection), by pool size."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from otel_kvcache import VLLMKVCacheInstrumentor
+
+    reader = InMemoryMetricReader()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider(), meter_provider=MeterProvider(metric_readers=[reader]))
+    costs = {}
+    try:
+        for blocks in (1_000, 10_000, 100_000):
+            workload = Workload("pool", 64, 512, 256, 64, blocks)
+            driver = Driver(workload)
+            driver.top_up()
+            driver.run(100)
+            engine = driver.scheduler._otel_kvcache_engine
+            number = 2000
+            publish = timeit.timeit(engine.on_step_end, number=number) / number
+            collect = timeit.timeit(reader.get_metrics_data, number=50) / 50
+            costs[blocks] = {"publish_us": publish * 1e6, "collect_us": collect * 1e6}
+            del driver, engine
+    finally:
+        instrumentor.uninstrument()
+    return costs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead")
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--quick", action="store_true", help="decode-heavy only, few pairs")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    selected = workloads()[:1] if args.quick else workloads()
+    pairs = 4 if args.quick else args.pairs
+
+    results = {"workloads": [], "anchors": None}
+    workers = {name: Worker(name) for name in ("base", "otel", "base-again")}
+    try:
+        for workload in selected:
+            outcome = paired(workers, workload, pairs)
+            results["workloads"].append(outcome)
+            _print_workload(outcome)
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+    anchors = {name: Worker(name) for name in ("base", "no-log-stats", "kv-cache-metrics-1.0")}
+    try:
+        results["anchors"] = paired(anchors, workloads()[0], pairs)
+    finally:
+        for worker in anchors.values():
+            worker.close()
+    _print_anchors(results["anchors"])
+
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        results["bytes_per_request"] = pool.apply(memory_per_request, (workloads()[0],))
+        results["pool_metric_cost"] = pool.apply(pool_metric_cost)
+    print(f"\nmemory held per in-flight request (decode-heavy): {results['bytes_per_request']:.0f} B")
+    print("per-step pool metrics by pool size:")
+    for blocks, cost in results["pool_metric_cost"].items():
+        print(f"  {blocks:>7} blocks: publish {cost['publish_us']:.2f} us/step, gauge collection {cost['collect_us']:.0f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _print_workload(outcome: dict) -> None:
+    otel, aa = outcome["otel"], outcome["base-again"]
+    print(
+        f"{outcome['workload']:<24} base {outcome['base_step_ms']:.2f} ms/step | "
+        f"otel/base median {otel['ratio']['median']:.4f} (p25 {otel['ratio']['p25']:.4f}, p75 {otel['ratio']['p75']:.4f}) | "
+        f"A/A median {aa['ratio']['median']:.4f} (p25 {aa['ratio']['p25']:.4f}, p75 {aa['ratio']['p75']:.4f}) | "
+        f"{otel['us_per_step']:.1f} us/step, {otel['us_per_request']:.1f} us/request",
+        flush=True,
+    )
+
+
+def _print_anchors(outcome: dict) -> None:
+    for name in ("no-log-stats", "kv-cache-metrics-1.0"):
+        ratio = outcome[name]["ratio"]
+        print(f"anchor {name:<22} vs base: median {ratio['median']:.4f} (p25 {ratio['p25']:.4f}, p75 {ratio['p75']:.4f})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

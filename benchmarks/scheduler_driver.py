@@ -1,0 +1,126 @@
+"""A lean loop around vLLM's real V1 scheduler with fake model outputs, at constant concurrency.
+
+Whenever a request finishes, a new one is admitted, so the scheduler always
+holds ``concurrency`` requests; output lengths vary around the workload's so
+that requests finish at a steady rate. Only the model runner is faked: one sampled
+token per scheduled request per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from dataclasses import dataclass
+
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+from tests.engine_harness import VOCAB_SIZE, make_model_config, make_scheduler
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    concurrency: int
+    prompt_len: int
+    shared_prefix: int
+    output_len: int
+    num_blocks: int
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-(self.prompt_len + self.output_len) // BLOCK_SIZE)
+
+
+def workloads() -> list[Workload]:
+    """The issue's three shapes, each on a roomy pool and on one small enough to preempt."""
+    shapes = [
+        ("decode-heavy", 256, 512, 256, 256),
+        ("churn", 256, 256, 128, 64),
+        ("wide", 1024, 512, 256, 256),
+    ]
+    result = []
+    for name, concurrency, prompt, shared, output in shapes:
+        per_request = -(-(prompt + output) // BLOCK_SIZE)
+        roomy = concurrency * per_request + 64
+        result.append(Workload(name, concurrency, prompt, shared, output, roomy))
+        result.append(Workload(f"{name}/small-pool", concurrency, prompt, shared, output, roomy * 6 // 10))
+    return result
+
+
+_model_config = None
+
+
+def model_config():
+    global _model_config
+    if _model_config is None:
+        _model_config = make_model_config(tempfile.mkdtemp(prefix="bench-model-"))
+    return _model_config
+
+
+class Driver:
+    """One scheduler running one workload."""
+
+    def __init__(self, workload: Workload, log_stats: bool = True, kv_cache_metrics_sample: float | None = None):
+        self.workload = workload
+        scheduler = make_scheduler(
+            model_config(),
+            num_blocks=workload.num_blocks,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=workload.concurrency,
+            max_num_batched_tokens=8192,
+            log_stats=log_stats,
+            kv_events=False,
+            kv_cache_metrics_sample=kv_cache_metrics_sample,
+        )
+        self.scheduler = scheduler
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._ids = itertools.count()
+        self._shared = [(k * 13 + 5) % VOCAB_SIZE for k in range(workload.shared_prefix)]
+        self.finished = 0
+        self.steps = 0
+
+    def _new_request(self) -> Request:
+        n = next(self._ids)
+        # Output lengths spread evenly over [0.5, 1.5) x output_len (same sequence in
+        # every process), so requests finish at a steady rate instead of in waves.
+        output_len = self.workload.output_len * (64 + (n * 37) % 128) // 128
+        unique = [(n * 7919 + 31 * k) % VOCAB_SIZE for k in range(self.workload.prompt_len - self.workload.shared_prefix)]
+        return Request(
+            request_id=f"req-{n}",
+            prompt_token_ids=self._shared + unique,
+            sampling_params=SamplingParams(max_tokens=output_len, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+
+    def top_up(self) -> None:
+        scheduler = self.scheduler
+        missing = self.workload.concurrency - len(scheduler.requests)
+        for _ in range(missing):
+            scheduler.add_request(self._new_request())
+
+    def step(self) -> None:
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        req_ids = list(output.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[7]] * len(req_ids),
+        )
+        before = len(scheduler.requests)
+        scheduler.update_from_output(output, runner_output)
+        self.finished += before - len(scheduler.requests)
+        self.steps += 1
+        self.top_up()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()

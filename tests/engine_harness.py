@@ -20,7 +20,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -95,15 +95,17 @@ def make_scheduler(
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     vllm_config.parallel_config.data_parallel_index = data_parallel_rank
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(TINY_LLAMA_CONFIG["num_hidden_layers"])]
+    page = spec.page_size_bytes
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["model.layers.0.self_attn.attn"],
-                FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32),
-            )
+        # One layer-outermost tensor, as vLLM's get_kv_cache_configs lays out one group.
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * num_blocks * len(layers), layers=layers,
+                          layer_stride=page * num_blocks, block_stride=page)
         ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
     )
     return Scheduler(
         vllm_config=vllm_config,

@@ -59,6 +59,9 @@ def test_pool_gauges_equal_a_scan_of_vllms_pool_at_every_step(make_engine, telem
     engine, requests = _overloaded(make_engine)
     limit = NUM_BLOCKS - 1
     seen_states = set()
+    # vLLM's own size of a block: its spec's page size times the layers sharing the block id.
+    [group] = engine.scheduler.kv_cache_config.kv_cache_groups
+    block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
     def check(harness):
         scan = harness.pool_scan()
@@ -67,6 +70,9 @@ def test_pool_gauges_equal_a_scan_of_vllms_pool_at_every_step(make_engine, telem
         assert sum(gauges.values()) == limit
         assert telemetry.total(names.BLOCKS_LIMIT) == limit
         assert telemetry.total(names.UTILIZATION) == scan["used"] / limit
+        kv_bytes = {p.attributes[names.BLOCK_STATE]: p.value for p in telemetry.points(names.KV_MEMORY_USAGE)}
+        assert kv_bytes == {state: blocks * block_bytes for state, blocks in scan.items()}
+        assert telemetry.total(names.KV_MEMORY_LIMIT) == limit * block_bytes
         seen_states.update(state for state, n in scan.items() if n)
 
     engine.run(after_step=check)

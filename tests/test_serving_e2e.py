@@ -8,6 +8,7 @@ response's ``usage`` block and the server's Prometheus ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 
@@ -182,6 +183,19 @@ def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, s
     assert workers == {0}
     [limit] = {p.as_int for _, m in sink.metrics(names.BLOCKS_LIMIT) for p in m.gauge.data_points}
     assert limit == server.config.num_blocks - 1
+
+    # KV bytes: the blocks times what one block holds in this model (K and V, every layer, float32).
+    model = json.loads((server.config.model / "config.json").read_text())
+    block_bytes = (
+        model["num_hidden_layers"] * 2 * BLOCK_SIZE * model["num_key_value_heads"] * model["head_dim"] * 4
+    )
+    [kv_limit] = {p.as_int for _, m in sink.metrics(names.KV_MEMORY_LIMIT) for p in m.gauge.data_points}
+    assert kv_limit == limit * block_bytes
+    states = {attributes_of(p.attributes)[names.BLOCK_STATE]: p.as_int
+              for _, m in list(sink.metrics(names.KV_MEMORY_USAGE))[-1:] for p in m.gauge.data_points}
+    assert sum(states.values()) == kv_limit and set(states) == set(names.BLOCK_STATES)
+    # No GPU here: the GPU view loaded (its own entry point) and reported nothing rather than zeros.
+    assert not [m for _, m in sink.metrics() if m.name.startswith(("hw.gpu", "vllm.gpu", "vllm.torch"))]
 
 
 def test_without_fastapi_the_kv_span_is_the_remote_callers_child_and_vllms_own_span_shares_the_trace(

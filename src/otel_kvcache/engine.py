@@ -28,7 +28,7 @@ from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.pool import PoolTracker
-from otel_kvcache.vllm_compat import engine_index, finish_reason, is_waiting_for_blocks
+from otel_kvcache.vllm_compat import engine_index, finish_reason, is_waiting_for_blocks, kv_bytes_per_block
 
 # Requests that leave the scheduler without passing a release hook (a path a
 # future vLLM adds, say) are swept this often, so our state stays bounded.
@@ -96,6 +96,7 @@ class EngineTelemetry:
         self.block_size: int = scheduler.block_size
         self.attributes = {names.ENGINE_INDEX: engine_index(scheduler.vllm_config)}
         self.pool = PoolTracker(manager.block_pool)
+        self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
         self.requests: dict[str, RequestRecord] = {}
         self.step = 0
         self.snapshot = self.pool.snapshot()

@@ -102,6 +102,21 @@ class KVCacheInstruments:
             unit="1",
             description="Share of the pool referenced by requests; evictable cached blocks count as free.",
         )
+        self._register_kv_memory(meter)
+
+    def _register_kv_memory(self, meter: Meter) -> None:
+        meter.create_observable_gauge(
+            names.KV_MEMORY_USAGE,
+            callbacks=[self._observe_kv_memory],
+            unit="By",
+            description="KV-cache bytes by block state: used, cached (evictable prefix), free.",
+        )
+        meter.create_observable_gauge(
+            names.KV_MEMORY_LIMIT,
+            callbacks=[self._observe_kv_memory_limit],
+            unit="By",
+            description="Bytes of the usable KV-cache pool.",
+        )
 
     def _counter_callback(self, read: Callable[[EngineTelemetry], int]):
         def observe(options: CallbackOptions) -> Iterable[Observation]:
@@ -109,6 +124,18 @@ class KVCacheInstruments:
                 yield Observation(read(engine), engine.attributes)
 
         return observe
+
+    def _observe_kv_memory(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            snapshot, per_block = engine.snapshot, engine.bytes_per_block
+            if per_block:
+                for state, blocks in zip(names.BLOCK_STATES, (snapshot.used, snapshot.cached, snapshot.free)):
+                    yield Observation(blocks * per_block, {**engine.attributes, names.BLOCK_STATE: state})
+
+    def _observe_kv_memory_limit(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            if engine.bytes_per_block:
+                yield Observation(engine.snapshot.limit * engine.bytes_per_block, engine.attributes)
 
     def _snapshots(self):
         for engine in list(self.engines):

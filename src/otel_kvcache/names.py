@@ -6,6 +6,13 @@ depend on them. Units are UCUM; counters carry no ``_total`` suffix.
 
 from typing import Final
 
+from opentelemetry.semconv._incubating.attributes.hw_attributes import HW_ID, HW_NAME, HW_TYPE, HW_VENDOR
+from opentelemetry.semconv._incubating.metrics.hw_metrics import (
+    HW_GPU_MEMORY_LIMIT,
+    HW_GPU_MEMORY_USAGE,
+    HW_GPU_MEMORY_UTILIZATION,
+    HW_GPU_UTILIZATION,
+)
 from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
     GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
     GEN_AI_USAGE_INPUT_TOKENS,
@@ -117,5 +124,43 @@ REQUEST_PREFIX_HIT_RATIO: Final = "vllm.kv_cache.request.prefix_hit_ratio"
 """Histogram, ``1``: prefix-cache hit tokens / prompt tokens per finished request."""
 REQUEST_PREEMPTIONS: Final = "vllm.kv_cache.request.preemptions"
 """Histogram, ``{preemption}``: preemptions per finished request."""
+KV_MEMORY_USAGE: Final = "vllm.kv_cache.memory.usage"
+"""Observable gauge, ``By``: KV bytes per ``vllm.kv_cache.block.state`` (blocks x bytes per block)."""
+KV_MEMORY_LIMIT: Final = "vllm.kv_cache.memory.limit"
+"""Observable gauge, ``By``: bytes of the usable KV pool."""
+
+# --- GPU and allocator views (the ``vllm_gpu`` instrumentor) --------------------
+
+GPU_MEMORY_USAGE: Final = HW_GPU_MEMORY_USAGE
+"""Observable gauge, ``By``: device memory in use, as nvidia-smi shows it (NVML)."""
+GPU_MEMORY_LIMIT: Final = HW_GPU_MEMORY_LIMIT
+"""Observable gauge, ``By``: device memory size."""
+GPU_MEMORY_UTILIZATION: Final = HW_GPU_MEMORY_UTILIZATION
+"""Observable gauge, ``1``: share of time device memory was read or written (NVML)."""
+GPU_UTILIZATION: Final = HW_GPU_UTILIZATION
+"""Observable gauge, ``1``: share of time a kernel ran (NVML)."""
+GPU_PROCESS_MEMORY_USAGE: Final = "vllm.gpu.process.memory.usage"
+"""Observable gauge, ``By``: device memory NVML attributes to this process (``process.pid``, ``hw.id``)."""
+TORCH_MEMORY_ALLOCATED: Final = "vllm.torch.cuda.memory.allocated"
+"""Observable gauge, ``By``: bytes in live tensors (torch caching allocator)."""
+TORCH_MEMORY_RESERVED: Final = "vllm.torch.cuda.memory.reserved"
+"""Observable gauge, ``By``: bytes the caching allocator holds from the driver."""
+TORCH_MEMORY_GAP: Final = "vllm.torch.cuda.memory.unallocated"
+"""Observable gauge, ``By``: reserved minus allocated: cached by torch, in use by nothing."""
+TORCH_ALLOC_RETRIES: Final = "vllm.torch.cuda.alloc_retries"
+"""Observable counter, ``{retry}``: cudaMalloc retries after freeing the cache."""
+TORCH_OOMS: Final = "vllm.torch.cuda.ooms"
+"""Observable counter, ``{oom}``: out-of-memory errors the allocator raised."""
+
+HW_ID_ATTRIBUTE: Final = HW_ID
+HW_NAME_ATTRIBUTE: Final = HW_NAME
+HW_TYPE_ATTRIBUTE: Final = HW_TYPE
+HW_VENDOR_ATTRIBUTE: Final = HW_VENDOR
+HW_TYPE_GPU: Final = "gpu"
+HW_VENDOR_NVIDIA: Final = "NVIDIA"
+PROCESS_PID_ATTRIBUTE: Final = "process.pid"
+TORCH_DEVICE: Final = "vllm.torch.cuda.device"
+"""Metric attribute of the allocator metrics: the CUDA device index in that process."""
+
 INSTRUMENTATION_ERRORS: Final = "otel_kvcache.instrumentation.errors"
 """Counter, ``{error}``: errors inside otel-kvcache itself (vLLM kept running)."""

@@ -13,6 +13,7 @@ and adds ``process.pid`` and the default ``service.name`` of ``vllm``;
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -22,6 +23,8 @@ from opentelemetry.sdk.resources import PROCESS_PID, SERVICE_NAME, Resource, Res
 from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.vllm_compat import PROCESS_ROLES
+
+_logger = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_NAME = "vllm"
 PROCESS_ENVIRONMENT_VARIABLE = "OTEL_KVCACHE_VLLM_PROCESS"
@@ -38,17 +41,36 @@ def _is_api_server(argv: list[str]) -> bool:
     return False
 
 
+def handed_down_attributes() -> dict[str, str | int]:
+    """What the vLLM parent put in this process's environment ({} in a process vLLM did not start)."""
+    handed_down = os.environ.get(PROCESS_ENVIRONMENT_VARIABLE)
+    if not handed_down:
+        return {}
+    try:
+        return dict(json.loads(handed_down))
+    except (ValueError, TypeError):
+        _logger.warning("otel-kvcache: ignoring %s=%r: not a JSON object", PROCESS_ENVIRONMENT_VARIABLE, handed_down)
+        return {}
+
+
+def process_attributes() -> dict[str, str | int]:
+    """This process's vLLM role attributes: handed down, or the API server's own."""
+    attributes = handed_down_attributes()
+    # sys.argv is not final yet while the SDK starts; orig_argv is.
+    if not attributes and _is_api_server(sys.orig_argv):
+        attributes[names.PROCESS_ROLE] = names.ROLE_API_SERVER
+    return attributes
+
+
+def process_role() -> str | None:
+    return process_attributes().get(names.PROCESS_ROLE)
+
+
 class VLLMResourceDetector(ResourceDetector):
-    """``service.name`` (default), ``process.pid``, and the API server's role."""
+    """``service.name`` (default), ``process.pid``, and the vLLM role of this process."""
 
     def detect(self) -> Resource:
-        attributes: dict[str, str | int] = {SERVICE_NAME: DEFAULT_SERVICE_NAME, PROCESS_PID: os.getpid()}
-        handed_down = os.environ.get(PROCESS_ENVIRONMENT_VARIABLE)
-        if handed_down:
-            attributes.update(json.loads(handed_down))
-        # sys.argv is not final yet while the SDK starts; orig_argv is.
-        elif _is_api_server(sys.orig_argv):
-            attributes[names.PROCESS_ROLE] = names.ROLE_API_SERVER
+        attributes = {SERVICE_NAME: DEFAULT_SERVICE_NAME, PROCESS_PID: os.getpid(), **process_attributes()}
         return Resource(attributes)
 
 

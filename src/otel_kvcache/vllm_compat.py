@@ -123,5 +123,12 @@ def engine_index(vllm_config: Any) -> int:
     return int(index or 0)
 
 
+def kv_bytes_per_block(kv_cache_config: Any) -> int:
+    """Bytes one block id stands for: the KV tensors' bytes over the block count
+    (0 when the config lists no tensors, as in a scheduler built without workers)."""
+    total = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+    return total // kv_cache_config.num_blocks if kv_cache_config.num_blocks else 0
+
+
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
     return args[0] if args else kwargs[name]

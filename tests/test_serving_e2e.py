@@ -82,9 +82,9 @@ def test_kv_span_joins_the_http_requests_trace(server, sink):
     [(resource, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
     attrs = span_attributes(span)
 
-    # Its parent is the HTTP server span of this request, exported by the API server.
-    parents = [(r, s) for r, s in sink.spans() if s.span_id == span.parent_span_id]
-    [(parent_resource, parent)] = parents
+    # Its parent is the HTTP server span of this request, exported by the API server
+    # (another process: it may arrive after the KV span).
+    [(parent_resource, parent)] = wait_for(lambda: [(r, s) for r, s in sink.spans() if s.span_id == span.parent_span_id])
     assert parent.kind == Span.SPAN_KIND_SERVER and parent.trace_id == span.trace_id
     assert parent.parent_span_id == bytes.fromhex(header.split("-")[2])
     assert parent_resource[names.PROCESS_ROLE] == names.ROLE_API_SERVER

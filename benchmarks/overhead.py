@@ -247,10 +247,29 @@ def main(argv: list[str] | None = None) -> int:
     print("per-step pool metrics by pool size:")
     for blocks, cost in results["pool_metric_cost"].items():
         print(f"  {blocks:>7} blocks: publish {cost['publish_us']:.2f} us/step, gauge collection {cost['collect_us']:.0f} us")
+    print()
+    print(markdown_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+def markdown_table(results: dict) -> str:
+    """The README's table."""
+    lines = [
+        "| workload | base ms/step | instrumented / base: median (p25–p75) | A/A: median (p25–p75) | µs per step | µs per finished request |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for outcome in results["workloads"]:
+        otel, aa = outcome["otel"], outcome["base-again"]
+        lines.append(
+            f"| {outcome['workload']} | {outcome['base_step_ms']:.2f} "
+            f"| {otel['ratio']['median']:.3f} ({otel['ratio']['p25']:.3f}–{otel['ratio']['p75']:.3f}) "
+            f"| {aa['ratio']['median']:.3f} ({aa['ratio']['p25']:.3f}–{aa['ratio']['p75']:.3f}) "
+            f"| {otel['us_per_step']:.0f} | {otel['us_per_request']:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def _print_workload(outcome: dict) -> None:

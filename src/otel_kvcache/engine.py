@@ -17,6 +17,7 @@ thread, so it is written for the scheduler's hot loop:
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 from opentelemetry import trace
@@ -27,12 +28,15 @@ from opentelemetry.trace import SpanKind, Tracer
 from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
+from otel_kvcache.leaks import Reconciler, log_in_trace
 from otel_kvcache.pool import PoolTracker
 from otel_kvcache.vllm_compat import engine_index, finish_reason, is_waiting_for_blocks, kv_bytes_per_block
 
 # Requests that leave the scheduler without passing a release hook (a path a
 # future vLLM adds, say) are swept this often, so our state stays bounded.
 SWEEP_EVERY_STEPS = 512
+# Span contexts of recently ended requests, so a later leak finding joins their trace.
+RECENTLY_ENDED = 4096
 
 
 class RequestRecord:
@@ -51,6 +55,8 @@ class RequestRecord:
         "recomputed_tokens",
         "stalls",
         "last_stall_step",
+        "progress_tokens",
+        "progress_step",
     )
 
     def __init__(self, start_ns: int) -> None:
@@ -66,6 +72,8 @@ class RequestRecord:
         self.recomputed_tokens = 0
         self.stalls = 0
         self.last_stall_step = -1
+        self.progress_tokens = -1  # computed tokens when the reconciler last looked
+        self.progress_step = 0
 
     def end_admission_period(self, held: int) -> None:
         """Blocks held when an admission ends: peak, and the new ones among them.
@@ -105,9 +113,13 @@ class EngineTelemetry:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.allocation_stalls = 0
+        self.computed_tokens = 0
+        self.recomputed_tokens = 0
         self._attempted: list[Any] = []  # admissions tried this step
         self._type_managers = tuple(manager.coordinator.single_type_managers)
         self._scheduler_requests: dict[str, Any] = scheduler.requests
+        self.recently_ended: OrderedDict[str, trace.SpanContext] = OrderedDict()
+        self.reconciler = Reconciler(self, scheduler)
         instruments.engines.add(self)
 
     # --- helpers ------------------------------------------------------------
@@ -186,6 +198,7 @@ class EngineTelemetry:
     def on_preempted(self, request: Any, held_and_computed: tuple[int, int]) -> None:
         released, computed = held_and_computed
         self.preemptions += 1
+        self.recomputed_tokens += computed
         record = self.requests.get(request.request_id)
         if record is None:
             return
@@ -203,11 +216,24 @@ class EngineTelemetry:
             record.end_admission_period(freed)
             reason = finish_reason(request.status)
             self._event(record, names.EVENT_RELEASED, {names.BLOCKS: freed, names.FINISH_REASON: reason})
-            self._export(record, request, freed, reason)
+            still_held = self.held_blocks(request.request_id)
+            if still_held:  # vLLM's free path kept the request's blocks: a leak, seen at once
+                self._event(record, names.EVENT_LEAK, {names.REQUEST_ID: request.request_id, names.BLOCKS: still_held})
+            self.computed_tokens += request.num_computed_tokens + record.recomputed_tokens
+            context = self._export(record, request, freed, reason)
+            if still_held:
+                log_in_trace(
+                    context,
+                    "otel-kvcache: request %s was released but vLLM still attributes %d KV blocks to it",
+                    request.request_id,
+                    still_held,
+                )
         # An abort can free blocks while the engine idles, with no step to follow.
         self.snapshot = self.pool.snapshot()
+        if not self._scheduler_requests:
+            self.reconciler.run()  # an idle engine takes no steps: look now
 
-    def _export(self, record: RequestRecord, request: Any, freed: int, reason: str) -> None:
+    def _export(self, record: RequestRecord, request: Any, freed: int, reason: str) -> trace.SpanContext:
         headers = request.trace_headers
         span = self.tracer.start_span(
             names.KV_REQUEST_SPAN,
@@ -241,6 +267,11 @@ class EngineTelemetry:
         if request.num_prompt_tokens:
             ratio = min(record.cache_read_tokens / request.num_prompt_tokens, 1.0)
             instruments.request_prefix_hit_ratio.record(ratio, self.attributes, context=context)
+        span_context = span.get_span_context()
+        self.recently_ended[request.request_id] = span_context
+        if len(self.recently_ended) > RECENTLY_ENDED:
+            self.recently_ended.popitem(last=False)
+        return span_context
 
     # --- steps --------------------------------------------------------------------
 
@@ -248,6 +279,7 @@ class EngineTelemetry:
         """Once per engine step: publish the pool snapshot for the gauges."""
         self.step += 1
         self.snapshot = self.pool.snapshot()
+        self.reconciler.maybe_run()
         if self.step % SWEEP_EVERY_STEPS == 0:
             self._sweep()
 

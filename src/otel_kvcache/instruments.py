@@ -34,6 +34,35 @@ def _stalls(engine: EngineTelemetry) -> int:
     return engine.allocation_stalls
 
 
+def _eviction_age(engine: EngineTelemetry) -> float:
+    return engine.pool.eviction_age_sum
+
+
+def _computed(engine: EngineTelemetry) -> int:
+    return engine.computed_tokens
+
+
+def _recomputed(engine: EngineTelemetry) -> int:
+    return engine.recomputed_tokens
+
+
+# The reconciler's findings, as (gauge, unit, description, reading of its last report).
+_FINDING_GAUGES = (
+    (names.ORPHANED_BLOCKS, "{block}", "Block references no live request accounts for.", "orphaned_blocks"),
+    (names.ZOMBIE_REQUESTS, "{request}", "Finished requests still holding blocks past the grace period.", "zombie_requests"),
+    (names.ZOMBIE_BLOCKS, "{block}", "Blocks held by zombie requests.", "zombie_blocks"),
+    (names.STUCK_REQUESTS, "{request}", "Running requests that made no progress for many steps.", "stuck_requests"),
+    (names.TAIL_SLACK, "{token}", "Token slots allocated to running requests, not yet filled.", "tail_slack_tokens"),
+    (names.TAIL_SLACK_RATIO, "1", "Tail slack over the token slots of the used blocks.", "tail_slack_ratio"),
+    (
+        names.CACHED_BLOCKS_HIT_AGAIN,
+        "{block}",
+        "Evictable cached blocks that a prefix hit reused.",
+        "cached_blocks_hit_again",
+    ),
+)
+
+
 class KVCacheInstruments:
     """The histograms the engine thread records into, and the counters and pool
     gauges the metric reader's thread observes.
@@ -57,6 +86,9 @@ class KVCacheInstruments:
                 "Request-steps in which a scheduled request got no KV blocks.",
                 _stalls,
             ),
+            (names.EVICTION_AGE, "s", "Summed age of evicted prefix-cache blocks.", _eviction_age),
+            (names.COMPUTED_TOKENS, "{token}", "Tokens finished requests computed.", _computed),
+            (names.RECOMPUTED_TOKENS, "{token}", "Computed tokens thrown away by preemptions.", _recomputed),
         ):
             meter.create_observable_counter(
                 name, callbacks=[self._counter_callback(read)], unit=unit, description=description
@@ -103,6 +135,16 @@ class KVCacheInstruments:
             description="Share of the pool referenced by requests; evictable cached blocks count as free.",
         )
         self._register_kv_memory(meter)
+        for name, unit, description, field in _FINDING_GAUGES:
+            meter.create_observable_gauge(
+                name, callbacks=[self._finding_callback(field)], unit=unit, description=description
+            )
+        meter.create_observable_gauge(
+            names.EVICTION_AGE_MAX,
+            callbacks=[self._observe_eviction_age_max],
+            unit="s",
+            description="Oldest prefix-cache block evicted since the previous collection.",
+        )
 
     def _register_kv_memory(self, meter: Meter) -> None:
         meter.create_observable_gauge(
@@ -117,6 +159,17 @@ class KVCacheInstruments:
             unit="By",
             description="Bytes of the usable KV-cache pool.",
         )
+
+    def _finding_callback(self, field: str):
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for engine in list(self.engines):
+                yield Observation(getattr(engine.reconciler.report, field), engine.attributes)
+
+        return observe
+
+    def _observe_eviction_age_max(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            yield Observation(engine.pool.take_eviction_age_max(), engine.attributes)
 
     def _counter_callback(self, read: Callable[[EngineTelemetry], int]):
         def observe(options: CallbackOptions) -> Iterable[Observation]:

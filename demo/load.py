@@ -135,12 +135,13 @@ async def run_load(base_url: str, model: str, shape: LoadShape, progress=None) -
             lambda: shared_prefix_burst(client, shape.burst, shape.burst_max_tokens),
         ),
         (
-            f"{shape.chats} chats x {shape.turns} growing turns",
+            f"{shape.chats} chats x {shape.turns} growing turns, while {shape.streams} streaming clients"
+            " disconnect mid-answer",
             lambda: asyncio.gather(
-                *(growing_chat(client, i, shape.turns, shape.chat_max_tokens) for i in range(shape.chats))
+                disconnecting_streams(client, shape.streams),
+                *(growing_chat(client, i, shape.turns, shape.chat_max_tokens) for i in range(shape.chats)),
             ),
         ),
-        (f"{shape.streams} streaming clients that disconnect", lambda: disconnecting_streams(client, shape.streams)),
     )
     try:
         for label, start in scenarios:

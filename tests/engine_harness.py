@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from demo.tiny_model import LLAMA_CONFIG
 from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
@@ -28,19 +29,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 2048
 
-# A tiny llama: vLLM only reads its config; no weights are ever loaded.
-TINY_LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "num_hidden_layers": 2,
-    "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": MAX_MODEL_LEN,
-    "torch_dtype": "float32",
-}
+# The demo's tiny llama: here vLLM only reads its config; no weights are loaded.
+TINY_LLAMA_CONFIG = {**LLAMA_CONFIG, "vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_MODEL_LEN}
 
 
 def make_model_config(directory: str) -> ModelConfig:

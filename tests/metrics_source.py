@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader  # noqa: E402
 from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402

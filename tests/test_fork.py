@@ -16,7 +16,7 @@ TESTS = Path(__file__).resolve().parent
 CHILD_PROGRAM = textwrap.dedent(
     """
     import os, sys, tempfile
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {repo!r}]
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.metrics import MeterProvider
@@ -59,7 +59,7 @@ CHILD_PROGRAM = textwrap.dedent(
 def test_spans_and_metrics_from_a_forked_child_are_exported():
     sink = OTLPSink().start()
     try:
-        program = CHILD_PROGRAM.format(tests=str(TESTS), endpoint=f"127.0.0.1:{sink.port}")
+        program = CHILD_PROGRAM.format(tests=str(TESTS), repo=str(TESTS.parent), endpoint=f"127.0.0.1:{sink.port}")
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
         assert result.returncode == 0, result.stderr[-3000:]

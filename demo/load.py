@@ -93,10 +93,15 @@ class LoadClient:
         return sent
 
 
-async def growing_chat(client: LoadClient, chat_index: int, turns: int, max_tokens: int) -> None:
-    """One conversation: every turn resends the whole history, so the context grows."""
+async def growing_chat(
+    client: LoadClient, chat_index: int, turns: int, max_tokens: int, together: asyncio.Barrier | None = None
+) -> None:
+    """One conversation: every turn resends the whole history, so the context grows.
+    With ``together``, the conversations send each turn at the same moment (busy hours)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     for turn in range(turns):
+        if together is not None:
+            await together.wait()
         messages.append({"role": "user", "content": QUESTIONS[(chat_index + turn) % len(QUESTIONS)]})
         _, answer = await client.chat("multi-turn chat", messages, max_tokens)
         messages.append({"role": "assistant", "content": answer})
@@ -129,6 +134,7 @@ class LoadShape:
 async def run_load(base_url: str, model: str, shape: LoadShape, progress=None) -> list[SentRequest]:
     """All three scenarios; ``progress(text)`` is told when each starts."""
     client = LoadClient(base_url, model)
+    together = asyncio.Barrier(shape.chats)
     scenarios = (
         (
             f"{shape.burst} requests sharing one system prompt",
@@ -139,7 +145,7 @@ async def run_load(base_url: str, model: str, shape: LoadShape, progress=None) -
             " disconnect mid-answer",
             lambda: asyncio.gather(
                 disconnecting_streams(client, shape.streams),
-                *(growing_chat(client, i, shape.turns, shape.chat_max_tokens) for i in range(shape.chats)),
+                *(growing_chat(client, i, shape.turns, shape.chat_max_tokens, together) for i in range(shape.chats)),
             ),
         ),
     )

@@ -7,8 +7,8 @@ import os
 
 _logger = logging.getLogger(__name__)
 
-RECONCILE_STEPS = "OTEL_KVCACHE_RECONCILE_STEPS"
-"""Engine steps between two reconciliations of the pool against its owners (default 256)."""
+RECONCILE_SECONDS = "OTEL_KVCACHE_RECONCILE_SECONDS"
+"""Seconds between two reconciliations of the pool against its owners (default 5)."""
 ZOMBIE_GRACE_SECONDS = "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS"
 """How long a finished request may still hold blocks before it is a zombie (default 30)."""
 STUCK_STEPS = "OTEL_KVCACHE_STUCK_STEPS"

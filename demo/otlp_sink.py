@@ -45,17 +45,14 @@ class OTLPSink:
     def __init__(self, directory: str | Path | None = None, port: int = 0) -> None:
         self.directory = Path(directory) if directory else None
         self._lock = threading.Lock()
-        self.trace_requests: list = []
-        self.metric_requests: list = []
-        self.log_requests: list = []
+        self.requests: dict[str, list] = {kind: [] for kind, *_ in _SERVICES}
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self._server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), self._server)
-        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsService(self), self._server)
+        for kind, base, response, add_to_server in _SERVICES:
+            add_to_server(_servicer(base, kind, response)(self), self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for kind in ("traces", "metrics", "logs"):
+            for kind in self.requests:
                 (self.directory / f"{kind}.jsonl").write_text("")
 
     @property
@@ -69,9 +66,9 @@ class OTLPSink:
     def stop(self) -> None:
         self._server.stop(grace=1).wait()
 
-    def _keep(self, kind: str, requests: list, request) -> None:
+    def _keep(self, kind: str, request) -> None:
         with self._lock:
-            requests.append(request)
+            self.requests[kind].append(request)
             if self.directory:
                 with open(self.directory / f"{kind}.jsonl", "a") as f:
                     f.write(json.dumps(to_otlp_json(request), separators=(",", ":")) + "\n")
@@ -81,7 +78,7 @@ class OTLPSink:
     def spans(self):
         """(resource attributes, span) for every span received."""
         with self._lock:
-            requests = list(self.trace_requests)
+            requests = list(self.requests["traces"])
         for request in requests:
             for resource_spans in request.resource_spans:
                 resource = attributes_of(resource_spans.resource.attributes)
@@ -92,7 +89,7 @@ class OTLPSink:
     def metrics(self, name: str | None = None):
         """(resource attributes, metric) for every metric received, optionally of one name."""
         with self._lock:
-            requests = list(self.metric_requests)
+            requests = list(self.requests["metrics"])
         for request in requests:
             for resource_metrics in request.resource_metrics:
                 resource = attributes_of(resource_metrics.resource.attributes)
@@ -112,28 +109,25 @@ def attributes_of(key_values) -> dict:
     return result
 
 
-class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, sink: OTLPSink) -> None:
-        self.sink = sink
+def _servicer(base: type, kind: str, response: type) -> type:
+    """A gRPC servicer for one signal that hands every export request to the sink."""
 
-    def Export(self, request, context):  # noqa: N802 - the gRPC method name
-        self.sink._keep("traces", self.sink.trace_requests, request)
-        return trace_service_pb2.ExportTraceServiceResponse()
+    class Servicer(base):
+        def __init__(self, sink: OTLPSink) -> None:
+            self.sink = sink
 
+        def Export(self, request, context):  # noqa: N802 - the gRPC method name
+            self.sink._keep(kind, request)
+            return response()
 
-class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, sink: OTLPSink) -> None:
-        self.sink = sink
-
-    def Export(self, request, context):  # noqa: N802
-        self.sink._keep("metrics", self.sink.metric_requests, request)
-        return metrics_service_pb2.ExportMetricsServiceResponse()
+    return Servicer
 
 
-class _LogsService(logs_service_pb2_grpc.LogsServiceServicer):
-    def __init__(self, sink: OTLPSink) -> None:
-        self.sink = sink
-
-    def Export(self, request, context):  # noqa: N802
-        self.sink._keep("logs", self.sink.log_requests, request)
-        return logs_service_pb2.ExportLogsServiceResponse()
+_SERVICES = (
+    ("traces", trace_service_pb2_grpc.TraceServiceServicer, trace_service_pb2.ExportTraceServiceResponse,
+     trace_service_pb2_grpc.add_TraceServiceServicer_to_server),
+    ("metrics", metrics_service_pb2_grpc.MetricsServiceServicer, metrics_service_pb2.ExportMetricsServiceResponse,
+     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server),
+    ("logs", logs_service_pb2_grpc.LogsServiceServicer, logs_service_pb2.ExportLogsServiceResponse,
+     logs_service_pb2_grpc.add_LogsServiceServicer_to_server),
+)  # fmt: skip

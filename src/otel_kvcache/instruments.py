@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -14,37 +15,22 @@ if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
 
 
-def _preemptions(engine: EngineTelemetry) -> int:
-    return engine.preemptions
-
-
-def _evictions(engine: EngineTelemetry) -> int:
-    return engine.pool.evictions
-
-
-def _queries(engine: EngineTelemetry) -> int:
-    return engine.prefix_cache_queries
-
-
-def _hits(engine: EngineTelemetry) -> int:
-    return engine.prefix_cache_hits
-
-
-def _stalls(engine: EngineTelemetry) -> int:
-    return engine.allocation_stalls
-
-
-def _eviction_age(engine: EngineTelemetry) -> float:
-    return engine.pool.eviction_age_sum
-
-
-def _computed(engine: EngineTelemetry) -> int:
-    return engine.computed_tokens
-
-
-def _recomputed(engine: EngineTelemetry) -> int:
-    return engine.recomputed_tokens
-
+# Cumulative counts the engine thread keeps, as (counter, unit, description, where it is).
+_COUNTERS = (
+    (names.PREEMPTIONS, "{preemption}", "Requests preempted to free KV blocks.", "preemptions"),
+    (names.EVICTIONS, "{block}", "Prefix-cache blocks evicted for reuse.", "pool.evictions"),
+    (names.PREFIX_CACHE_QUERIES, "{token}", "Tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    (names.PREFIX_CACHE_HITS, "{token}", "Tokens found in the prefix cache.", "prefix_cache_hits"),
+    (
+        names.ALLOCATION_STALLS,
+        "{stall}",
+        "Request-steps in which a scheduled request got no KV blocks.",
+        "allocation_stalls",
+    ),
+    (names.EVICTION_AGE, "s", "Summed age of evicted prefix-cache blocks.", "pool.eviction_age_sum"),
+    (names.COMPUTED_TOKENS, "{token}", "Tokens finished requests computed.", "computed_tokens"),
+    (names.RECOMPUTED_TOKENS, "{token}", "Computed tokens thrown away by preemptions.", "recomputed_tokens"),
+)
 
 # The reconciler's findings, as (gauge, unit, description, reading of its last report).
 _FINDING_GAUGES = (
@@ -74,24 +60,9 @@ class KVCacheInstruments:
 
     def __init__(self, meter: Meter) -> None:
         self.engines: weakref.WeakSet[EngineTelemetry] = weakref.WeakSet()
-        # Counted as plain integers on the engine thread, read here.
-        for name, unit, description, read in (
-            (names.PREEMPTIONS, "{preemption}", "Requests preempted to free KV blocks.", _preemptions),
-            (names.EVICTIONS, "{block}", "Prefix-cache blocks evicted for reuse.", _evictions),
-            (names.PREFIX_CACHE_QUERIES, "{token}", "Tokens looked up in the prefix cache.", _queries),
-            (names.PREFIX_CACHE_HITS, "{token}", "Tokens found in the prefix cache.", _hits),
-            (
-                names.ALLOCATION_STALLS,
-                "{stall}",
-                "Request-steps in which a scheduled request got no KV blocks.",
-                _stalls,
-            ),
-            (names.EVICTION_AGE, "s", "Summed age of evicted prefix-cache blocks.", _eviction_age),
-            (names.COMPUTED_TOKENS, "{token}", "Tokens finished requests computed.", _computed),
-            (names.RECOMPUTED_TOKENS, "{token}", "Computed tokens thrown away by preemptions.", _recomputed),
-        ):
+        for name, unit, description, where in _COUNTERS:
             meter.create_observable_counter(
-                name, callbacks=[self._counter_callback(read)], unit=unit, description=description
+                name, callbacks=[self._engine_callback(attrgetter(where))], unit=unit, description=description
             )
         self.request_blocks = meter.create_histogram(
             names.REQUEST_BLOCKS,
@@ -137,7 +108,10 @@ class KVCacheInstruments:
         self._register_kv_memory(meter)
         for name, unit, description, field in _FINDING_GAUGES:
             meter.create_observable_gauge(
-                name, callbacks=[self._finding_callback(field)], unit=unit, description=description
+                name,
+                callbacks=[self._engine_callback(attrgetter(f"reconciler.report.{field}"))],
+                unit=unit,
+                description=description,
             )
         meter.create_observable_gauge(
             names.EVICTION_AGE_MAX,
@@ -160,18 +134,12 @@ class KVCacheInstruments:
             description="Bytes of the usable KV-cache pool.",
         )
 
-    def _finding_callback(self, field: str):
-        def observe(options: CallbackOptions) -> Iterable[Observation]:
-            for engine in list(self.engines):
-                yield Observation(getattr(engine.reconciler.report, field), engine.attributes)
-
-        return observe
 
     def _observe_eviction_age_max(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):
             yield Observation(engine.pool.take_eviction_age_max(), engine.attributes)
 
-    def _counter_callback(self, read: Callable[[EngineTelemetry], int]):
+    def _engine_callback(self, read: Callable[[EngineTelemetry], float]):
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             for engine in list(self.engines):
                 yield Observation(read(engine), engine.attributes)

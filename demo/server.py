@@ -30,6 +30,8 @@ class ServerConfig:
     max_num_seqs: int = 16
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    instrumented: bool = True
+    """False: the same server without opentelemetry-instrument (for comparisons)."""
 
 
 class VLLMServer:
@@ -50,8 +52,9 @@ class VLLMServer:
         bin_dir = Path(sys.executable).parent
         # The CPU build's `vllm` console script looks up the distribution
         # named `vllm` and fails; the module is the same server.
+        launcher = [str(bin_dir / "opentelemetry-instrument")] if c.instrumented else []
         return [
-            str(bin_dir / "opentelemetry-instrument"), sys.executable,
+            *launcher, sys.executable,
             "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(c.model),
             "--host", "127.0.0.1", "--port", str(self.port),

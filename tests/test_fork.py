@@ -61,6 +61,9 @@ def test_spans_and_metrics_from_a_forked_child_are_exported():
     try:
         program = CHILD_PROGRAM.format(tests=str(TESTS), repo=str(TESTS.parent), endpoint=f"127.0.0.1:{sink.port}")
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        # gRPC channels made before a fork hang in the child unless gRPC's own fork
+        # support is on (as the README says for vLLM processes that fork).
+        env.update(GRPC_ENABLE_FORK_SUPPORT="true", GRPC_POLL_STRATEGY="poll")
         result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
         request_ids = {

@@ -87,53 +87,25 @@ class KVCacheInstruments:
             unit="{error}",
             description="Errors inside otel-kvcache; vLLM kept running.",
         )
-        meter.create_observable_gauge(
-            names.BLOCKS,
-            callbacks=[self._observe_blocks],
-            unit="{block}",
-            description="KV-cache blocks by state: used, cached (evictable prefix), free.",
-        )
-        meter.create_observable_gauge(
-            names.BLOCKS_LIMIT,
-            callbacks=[self._observe_limit],
-            unit="{block}",
-            description="Usable KV-cache blocks in the pool.",
-        )
-        meter.create_observable_gauge(
-            names.UTILIZATION,
-            callbacks=[self._observe_utilization],
-            unit="1",
-            description="Share of the pool referenced by requests; evictable cached blocks count as free.",
-        )
-        self._register_kv_memory(meter)
+        # The pool's state, from each engine's last published snapshot and counters.
+        for name, unit, description, callback in (
+            (names.BLOCKS, "{block}", "KV-cache blocks by state: used, cached (evictable prefix), free.",
+             self._observe_blocks),
+            (names.BLOCKS_LIMIT, "{block}", "Usable KV-cache blocks in the pool.", self._observe_limit),
+            (names.UTILIZATION, "1", "Share of the pool referenced by requests; evictable cached blocks count as free.",
+             self._observe_utilization),
+            (names.KV_MEMORY_USAGE, "By", "KV-cache bytes by block state: used, cached (evictable prefix), free.",
+             self._observe_kv_memory),
+            (names.KV_MEMORY_LIMIT, "By", "Bytes of the usable KV-cache pool.", self._observe_kv_memory_limit),
+            (names.EVICTION_AGE_MAX, "s", "Oldest prefix-cache block evicted since the previous collection.",
+             self._observe_eviction_age_max),
+        ):  # fmt: skip
+            meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
         for name, unit, description, field in _FINDING_GAUGES:
+            read = attrgetter(f"reconciler.report.{field}")
             meter.create_observable_gauge(
-                name,
-                callbacks=[self._engine_callback(attrgetter(f"reconciler.report.{field}"))],
-                unit=unit,
-                description=description,
+                name, callbacks=[self._engine_callback(read)], unit=unit, description=description
             )
-        meter.create_observable_gauge(
-            names.EVICTION_AGE_MAX,
-            callbacks=[self._observe_eviction_age_max],
-            unit="s",
-            description="Oldest prefix-cache block evicted since the previous collection.",
-        )
-
-    def _register_kv_memory(self, meter: Meter) -> None:
-        meter.create_observable_gauge(
-            names.KV_MEMORY_USAGE,
-            callbacks=[self._observe_kv_memory],
-            unit="By",
-            description="KV-cache bytes by block state: used, cached (evictable prefix), free.",
-        )
-        meter.create_observable_gauge(
-            names.KV_MEMORY_LIMIT,
-            callbacks=[self._observe_kv_memory_limit],
-            unit="By",
-            description="Bytes of the usable KV-cache pool.",
-        )
-
 
     def _observe_eviction_age_max(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):

@@ -44,7 +44,15 @@ VARIANTS = {
 # --- the worker processes ------------------------------------------------------------
 
 
-def _instrument():
+def _instrument(in_process: bool = False):
+    """As under ``opentelemetry-instrument``: spans and request histograms built by
+    the helper process, whose SDK comes from the environment (batch span
+    processor and periodic metric reader into console exporters, whose output the
+    helper discards); the engine process keeps the observable instruments, read
+    by a periodic reader into an exporter that discards. ``in_process``: the
+    spans too are built here, by the SDK given to ``instrument()``."""
+    import os
+
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import (
         MetricExporter,
@@ -73,19 +81,42 @@ def _instrument():
         def shutdown(self, timeout_millis=30_000, **kwargs):
             pass
 
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(BatchSpanProcessor(DiscardSpans()))
     reader = PeriodicExportingMetricReader(DiscardMetrics(), export_interval_millis=5_000)
     meter_provider = MeterProvider(metric_readers=[reader])
-    VLLMKVCacheInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    if in_process:
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(BatchSpanProcessor(DiscardSpans()))
+        VLLMKVCacheInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    else:
+        os.environ.update(
+            OTEL_KVCACHE_EXPORTER_PROCESS="on",
+            OTEL_TRACES_EXPORTER="console",
+            OTEL_METRICS_EXPORTER="console",
+            OTEL_LOGS_EXPORTER="none",
+            OTEL_METRIC_EXPORT_INTERVAL="5000",
+        )
+        VLLMKVCacheInstrumentor().instrument(meter_provider=meter_provider)
     return meter_provider
+
+
+def _helper_cpu_seconds(driver) -> float:
+    """CPU time of the engine's helper process so far (0 without one)."""
+    import os
+
+    engine = getattr(driver.scheduler, "_otel_kvcache_engine", None)
+    process = getattr(getattr(engine, "exporter", None), "process", None)
+    if process is None:
+        return 0.0
+    with open(f"/proc/{process.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _worker(connection: Connection, variant: dict) -> None:
     from vllm.utils.gc_utils import freeze_gc_heap
 
     if variant.get("instrumented"):
-        _instrument()
+        _instrument(variant.get("in_process", False))
     driver = None
     while True:
         command, argument = connection.recv()
@@ -102,9 +133,10 @@ def _worker(connection: Connection, variant: dict) -> None:
         elif command == "run":
             # CPU time of the whole process: work moved to the SDK's export
             # threads is still counted.
-            finished, started = driver.finished, time.process_time()
+            finished, started, helper = driver.finished, time.process_time(), _helper_cpu_seconds(driver)
             driver.run(argument)
-            connection.send((time.process_time() - started, driver.finished - finished))
+            elapsed = time.process_time() - started
+            connection.send((elapsed, driver.finished - finished, _helper_cpu_seconds(driver) - helper))
         elif command == "quit":
             connection.send(None)
             return
@@ -142,12 +174,14 @@ def paired(workers: dict[str, Worker], workload: Workload, pairs: int, against: 
     steps = max(10, int(CHUNK_SECONDS / step_seconds[against]))
     times: dict[str, list[float]] = {name: [] for name in workers}
     finished: dict[str, list[int]] = {name: [] for name in workers}
+    helper: dict[str, list[float]] = {name: [] for name in workers}
     order = list(workers)
     for pair in range(pairs):
         for name in order if pair % 2 == 0 else reversed(order):
-            elapsed, done = workers[name].ask("run", steps)
+            elapsed, done, helper_seconds = workers[name].ask("run", steps)
             times[name].append(elapsed)
             finished[name].append(done)
+            helper[name].append(helper_seconds)
     result = {"workload": workload.name, "steps_per_chunk": steps, "base_step_ms": 1e3 * statistics.median(times[against]) / steps}
     for name in workers:
         if name == against:
@@ -158,6 +192,8 @@ def paired(workers: dict[str, Worker], workload: Workload, pairs: int, against: 
             "ratio": _spread(ratios),
             "us_per_step": 1e6 * statistics.median(extra) / steps,
             "us_per_request": 1e6 * statistics.median(extra) / max(1, statistics.median(finished[name])),
+            # CPU of the helper process (another core), per finished request.
+            "helper_us_per_request": 1e6 * sum(helper[name]) / max(1, sum(finished[name])),
         }
     return result
 

@@ -24,6 +24,12 @@ cache manager and block pool (see ``vllm_compat.HOOK_POINTS``) and emits:
   evictions, prefix-cache queries and hits, allocation stalls, and per-request
   histograms, all tagged with ``vllm.engine.index``.
 
+The spans and the per-request histograms are built off the engine thread: in
+a helper process (``exporter_process.py``) when the SDK was configured from
+the environment, as ``opentelemetry-instrument`` does, and in-process when the
+providers were passed in. ``OTEL_KVCACHE_EXPORTER_PROCESS`` (``auto``, ``on``,
+``off``) overrides the choice.
+
 All names are in ``otel_kvcache.names``.
 """
 
@@ -32,12 +38,17 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+import os
+import sys
+
 from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 from opentelemetry.trace import get_tracer
 
+from otel_kvcache.config import EXPORTER_PROCESS, EXPORTER_PROCESS_CHOICES, env_choice
 from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.export import RequestExporter, RequestHistograms
 from otel_kvcache.hooks import LazyPatcher
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.names import METER_SCOPE
@@ -69,10 +80,36 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
         meter = get_meter(METER_SCOPE, __version__, kwargs.get("meter_provider"), schema_url=_SCHEMA_URL)
         instruments = KVCacheInstruments(meter)
         errors = InstrumentationErrors(instruments.errors)
-        self._patcher = LazyPatcher(HOOK_POINTS, build_wrappers(tracer, instruments, errors))
+        if _exports_from_a_helper_process(given_providers=kwargs.get("tracer_provider") is not None):
+
+            def exporter_for():
+                from opentelemetry.sdk.resources import PROCESS_PID
+
+                from otel_kvcache.exporter_process import ExporterProcess
+                from otel_kvcache.resource import process_attributes
+
+                # The helper speaks for this EngineCore: same role, same pid.
+                return ExporterProcess({**process_attributes(), PROCESS_PID: os.getpid()}, errors)
+
+        else:
+            in_process = RequestExporter(tracer, RequestHistograms(meter))
+
+            def exporter_for():
+                return in_process
+
+        self._patcher = LazyPatcher(HOOK_POINTS, build_wrappers(exporter_for, instruments, errors))
         self._patcher.start()
 
     def _uninstrument(self, **kwargs: Any) -> None:
         if self._patcher is not None:
             self._patcher.stop()
             self._patcher = None
+
+
+def _exports_from_a_helper_process(given_providers: bool) -> bool:
+    """``auto``: when the SDK comes from the environment (auto-instrumentation
+    configured it), so that a helper process can configure its own the same way."""
+    setting = env_choice(EXPORTER_PROCESS, EXPORTER_PROCESS_CHOICES)
+    if setting != "auto":
+        return setting == "on"
+    return not given_providers and "opentelemetry.instrumentation.auto_instrumentation" in sys.modules

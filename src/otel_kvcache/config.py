@@ -14,6 +14,23 @@ ZOMBIE_GRACE_SECONDS = "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS"
 STUCK_STEPS = "OTEL_KVCACHE_STUCK_STEPS"
 """Engine steps a running request may go without computing a token before it is stuck (default 1024)."""
 
+EXPORTER_PROCESS = "OTEL_KVCACHE_EXPORTER_PROCESS"
+"""Build request spans in a helper process: ``auto`` (default: when the SDK is
+configured from the environment, as by ``opentelemetry-instrument``), ``on``, ``off``."""
+EXPORTER_PROCESS_CHOICES = ("auto", "on", "off")
+
+
+def env_choice(variable: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (the first is the default)."""
+    raw = os.environ.get(variable)
+    if raw is None or raw.strip() == "":
+        return choices[0]
+    value = raw.strip().lower()
+    if value not in choices:
+        _logger.warning("otel-kvcache: %s=%r is not one of %s; using %r", variable, raw, ", ".join(choices), choices[0])
+        return choices[0]
+    return value
+
 
 def _number(variable: str, default: float, cast, minimum: float) -> float:
     raw = os.environ.get(variable)

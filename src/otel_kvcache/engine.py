@@ -9,34 +9,37 @@ thread, so it is written for the scheduler's hot loop:
   reads;
 - counters are plain integers, read by observable counters on the metric
   reader's thread; the gauges read ``snapshot``, replaced whole once per step;
-- a request's span is built once, when its blocks are released, from what its
-  small record collected (start time, events with their timestamps). A live
-  request costs a record, not an SDK span.
+- a live request costs a small record (counts, events with their
+  timestamps), not an SDK span. At release the record is packed into a
+  ``FinishedRequest`` for the exporter (``export.py``), which builds the span,
+  in a helper process when the SDK was configured from the environment.
+- whether instrumentation is suppressed (``suppress_instrumentation``) is asked
+  once per request, at release: the pool's accounting never pauses.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from typing import Any
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.propagate import extract
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.export import FinishedRequest, RequestExporter
 from otel_kvcache.instruments import KVCacheInstruments
-from otel_kvcache.leaks import Reconciler, log_in_trace
+from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolTracker
-from otel_kvcache.vllm_compat import engine_index, finish_reason, is_waiting_for_blocks, kv_bytes_per_block
+from otel_kvcache.vllm_compat import engine_index, may_hold_null_blocks, finish_reason, is_waiting_for_blocks, kv_bytes_per_block
 
 # Requests that leave the scheduler without passing a release hook (a path a
 # future vLLM adds, say) are swept this often, so our state stays bounded.
 SWEEP_EVERY_STEPS = 512
-# Span contexts of recently ended requests, so a later leak finding joins their trace.
-RECENTLY_ENDED = 4096
+_IS_NULL = attrgetter("is_null")
+
+if TYPE_CHECKING:
+    from otel_kvcache.exporter_process import ExporterProcess
 
 
 class RequestRecord:
@@ -93,12 +96,12 @@ class EngineTelemetry:
     def __init__(
         self,
         scheduler: Any,
-        tracer: Tracer,
+        exporter: RequestExporter | ExporterProcess,
         instruments: KVCacheInstruments,
         errors: InstrumentationErrors,
     ) -> None:
         manager = scheduler.kv_cache_manager
-        self.tracer = tracer
+        self.exporter = exporter
         self.instruments = instruments
         self.errors = errors
         self.block_size: int = scheduler.block_size
@@ -116,9 +119,11 @@ class EngineTelemetry:
         self.computed_tokens = 0
         self.recomputed_tokens = 0
         self._attempted: list[Any] = []  # admissions tried this step
-        self._type_managers = tuple(manager.coordinator.single_type_managers)
+        self._type_managers = tuple(
+            (type_manager, may_hold_null_blocks(type_manager))
+            for type_manager in manager.coordinator.single_type_managers
+        )
         self._scheduler_requests: dict[str, Any] = scheduler.requests
-        self.recently_ended: OrderedDict[str, trace.SpanContext] = OrderedDict()
         self.reconciler = Reconciler(self, scheduler)
         instruments.engines.add(self)
 
@@ -127,10 +132,10 @@ class EngineTelemetry:
     def held_blocks(self, request_id: str) -> int:
         """Blocks the KV manager holds for a request now, across all groups."""
         held = 0
-        for manager in self._type_managers:
+        for manager, may_hold_null_blocks in self._type_managers:
             blocks = manager.req_to_blocks.get(request_id)
             if blocks:
-                held += sum(1 for block in blocks if not block.is_null)
+                held += len(blocks) - sum(map(_IS_NULL, blocks)) if may_hold_null_blocks else len(blocks)
         return held
 
     def _event(self, record: RequestRecord, name: str, attributes: dict) -> None:
@@ -220,66 +225,45 @@ class EngineTelemetry:
             if still_held:  # vLLM's free path kept the request's blocks: a leak, seen at once
                 self._event(record, names.EVENT_LEAK, {names.REQUEST_ID: request.request_id, names.BLOCKS: still_held})
             self.computed_tokens += request.num_computed_tokens + record.recomputed_tokens
-            context = self._export(record, request, freed, reason)
-            if still_held:
-                log_in_trace(
-                    context,
-                    "otel-kvcache: request %s was released but vLLM still attributes %d KV blocks to it",
-                    request.request_id,
-                    still_held,
+            if is_instrumentation_enabled():
+                self.exporter.request_ended(
+                    FinishedRequest(
+                        request.request_id,
+                        request.trace_headers,
+                        record.start_ns,
+                        request.num_prompt_tokens,
+                        request.num_output_tokens,
+                        record.cache_read_tokens,
+                        self.block_size,
+                        record.peak,
+                        record.allocated,
+                        record.prefix_hit_blocks,
+                        freed,
+                        record.preemptions,
+                        record.recomputed_tokens,
+                        record.stalls,
+                        reason,
+                        record.events,
+                        still_held,
+                        self.attributes,
+                    )
                 )
-        # An abort can free blocks while the engine idles, with no step to follow.
-        self.snapshot = self.pool.snapshot()
         if not self._scheduler_requests:
-            self.reconciler.run()  # an idle engine takes no steps: look now
-
-    def _export(self, record: RequestRecord, request: Any, freed: int, reason: str) -> trace.SpanContext:
-        headers = request.trace_headers
-        span = self.tracer.start_span(
-            names.KV_REQUEST_SPAN,
-            context=extract(headers, context=Context()) if headers else Context(),
-            kind=SpanKind.INTERNAL,
-            start_time=record.start_ns,
-            attributes={
-                names.REQUEST_ID: request.request_id,
-                names.INPUT_TOKENS: request.num_prompt_tokens,
-                names.OUTPUT_TOKENS: request.num_output_tokens,
-                names.CACHE_READ_INPUT_TOKENS: record.cache_read_tokens,
-                names.BLOCK_SIZE: self.block_size,
-                names.BLOCKS_PEAK: record.peak,
-                names.BLOCKS_ALLOCATED: record.allocated,
-                names.BLOCKS_PREFIX_HIT: record.prefix_hit_blocks,
-                names.BLOCKS_FREED: freed,
-                names.PREEMPTIONS: record.preemptions,
-                names.RECOMPUTED_TOKENS: record.recomputed_tokens,
-                names.ALLOCATION_STALLS: record.stalls,
-                names.FINISH_REASON: reason,
-            },
-        )
-        for name, timestamp, attributes in record.events:
-            span.add_event(name, attributes, timestamp)
-        span.end(record.events[-1][1])
-        # Recorded in the span's context so exporters can attach it as an exemplar.
-        context = trace.set_span_in_context(span)
-        instruments = self.instruments
-        instruments.request_blocks.record(record.peak, self.attributes, context=context)
-        instruments.request_preemptions.record(record.preemptions, self.attributes, context=context)
-        if request.num_prompt_tokens:
-            ratio = min(record.cache_read_tokens / request.num_prompt_tokens, 1.0)
-            instruments.request_prefix_hit_ratio.record(ratio, self.attributes, context=context)
-        span_context = span.get_span_context()
-        self.recently_ended[request.request_id] = span_context
-        if len(self.recently_ended) > RECENTLY_ENDED:
-            self.recently_ended.popitem(last=False)
-        return span_context
+            # An idle engine takes no steps (an abort can free blocks then): publish and look now.
+            self.pool.settle()
+            self.snapshot = self.pool.snapshot()
+            self.reconciler.run()
+            self.exporter.flush()
 
     # --- steps --------------------------------------------------------------------
 
     def on_step_end(self) -> None:
         """Once per engine step: publish the pool snapshot for the gauges."""
         self.step += 1
+        self.pool.settle()
         self.snapshot = self.pool.snapshot()
         self.reconciler.maybe_run()
+        self.exporter.flush_if_due()
         if self.step % SWEEP_EVERY_STEPS == 0:
             self._sweep()
 

@@ -50,8 +50,8 @@ _FINDING_GAUGES = (
 
 
 class KVCacheInstruments:
-    """The histograms the engine thread records into, and the counters and pool
-    gauges the metric reader's thread observes.
+    """The counters and pool gauges the metric reader's thread observes (the
+    per-request histograms are recorded where spans are built: ``export.py``).
 
     Observable instruments read integers the engine thread keeps and the
     snapshot each engine published at the end of its last step, never vLLM's
@@ -64,24 +64,6 @@ class KVCacheInstruments:
             meter.create_observable_counter(
                 name, callbacks=[self._engine_callback(attrgetter(where))], unit=unit, description=description
             )
-        self.request_blocks = meter.create_histogram(
-            names.REQUEST_BLOCKS,
-            unit="{block}",
-            description="Peak KV blocks held per finished request.",
-            explicit_bucket_boundaries_advisory=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
-        )
-        self.request_prefix_hit_ratio = meter.create_histogram(
-            names.REQUEST_PREFIX_HIT_RATIO,
-            unit="1",
-            description="Prefix-cache hit tokens over prompt tokens per finished request.",
-            explicit_bucket_boundaries_advisory=[0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
-        )
-        self.request_preemptions = meter.create_histogram(
-            names.REQUEST_PREEMPTIONS,
-            unit="{preemption}",
-            description="Preemptions per finished request.",
-            explicit_bucket_boundaries_advisory=[0, 1, 2, 4, 8, 16, 32],
-        )
         self.errors = meter.create_counter(
             names.INSTRUMENTATION_ERRORS,
             unit="{error}",

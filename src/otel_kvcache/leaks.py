@@ -27,10 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext
-
 from otel_kvcache import names
+from otel_kvcache.export import Finding
 from otel_kvcache.config import RECONCILE_SECONDS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
 
 if TYPE_CHECKING:
@@ -78,7 +76,7 @@ class Reconciler:
         references: Counter[int] = Counter()
         holding: dict[str, int] = {}
         slack = 0
-        for manager in engine._type_managers:
+        for manager, _ in engine._type_managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 held = [block.block_id for block in blocks if not block.is_null]
                 if not held:
@@ -154,7 +152,8 @@ class Reconciler:
 
     def _tell(self, kind: str, request_id: str, attributes: dict, detail: str) -> None:
         """Once per request and kind: an event on its span (or a finding span in its
-        trace, if its span has ended), and a log record in its trace's context."""
+        trace, if its span has ended), and a log record (in its trace's context
+        once the span has ended)."""
         if (kind, request_id) in self._reported:
             return
         self._reported.add((kind, request_id))
@@ -162,21 +161,8 @@ class Reconciler:
         event = names.EVENT_ZOMBIE if kind == "zombie" else names.EVENT_STUCK
         attributes = {names.REQUEST_ID: request_id, **attributes}
         record = engine.requests.get(request_id)
-        context = engine.recently_ended.get(request_id)
-        if record is not None:
+        if record is not None:  # on the span to come
             record.events.append((event, time.time_ns(), attributes))
-        elif context is not None:
-            parent = trace.set_span_in_context(NonRecordingSpan(context))
-            span = engine.tracer.start_span(names.FINDING_SPAN, context=parent, attributes=attributes)
-            span.add_event(event, attributes)
-            span.end()
-        log_in_trace(context, "otel-kvcache: request %s %s", request_id, detail)
-
-
-def log_in_trace(context: SpanContext | None, message: str, *args) -> None:
-    """A warning that carries the request's trace context, for a log backend to link."""
-    if context is None:
-        _logger.warning(message, *args)
-        return
-    with trace.use_span(NonRecordingSpan(context)):
-        _logger.warning(message, *args)
+            _logger.warning("otel-kvcache: request %s %s", request_id, detail)
+        else:  # in the ended span's trace, wherever the span was built
+            engine.exporter.finding(Finding(request_id, event, attributes, detail))

@@ -1,9 +1,18 @@
 """Wrapper factories, one per role in ``vllm_compat.HOOK_POINTS``.
 
-Every wrapper has the same skeleton (``_observing``): it calls vLLM's original
-exactly once, lets vLLM's exceptions through unchanged, and runs our code in
-guarded blocks whose failures are counted and logged once per kind. Objects
-built before ``instrument()`` carry no telemetry and pass straight through.
+Every wrapper calls vLLM's original exactly once, lets vLLM's exceptions
+through unchanged, and runs our code in guarded blocks whose failures are
+counted and logged once per kind. Objects built before ``instrument()`` carry
+no telemetry and pass straight through.
+
+Two shapes, by the hook point's ``hot`` flag:
+
+- hot (the engine loop's, up to dozens of calls a step): the factory returns a
+  *method builder*, ``build(original) -> method``; the method replaces
+  vLLM's on the class and calls ``original(self, ...)`` itself. One frame and
+  one attribute lookup per call; suppression is asked per request, at export.
+- cold (start-up, the API server): a wrapt wrapper,
+  ``wrapper(wrapped, instance, args, kwargs)``.
 """
 
 from __future__ import annotations
@@ -12,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
-from opentelemetry.trace import Tracer
 
 from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
@@ -24,42 +32,95 @@ from otel_kvcache.vllm_compat import first_argument, request_being_scheduled
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each instrumented Scheduler, its KVCacheManager and its BlockPool."""
 
+ExporterFactory = Callable[[], Any]
+"""Returns the exporter a new engine hands its finished requests to (``export.py``)."""
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+MethodBuilder = Callable[[Callable[..., Any]], Callable[..., Any]]
 Before = Callable[[EngineTelemetry, Any, tuple, dict], Any]
 After = Callable[[EngineTelemetry, Any, tuple, dict, Any, Any], None]
 
 
-def _observing(hook: str, errors: InstrumentationErrors, after: After, before: Before | None = None) -> Wrapper:
-    def wrapper(wrapped, instance, args, kwargs):
-        engine = getattr(instance, ENGINE_ATTRIBUTE, None)
-        if engine is None or not is_instrumentation_enabled():
-            return wrapped(*args, **kwargs)
-        state = None
-        if before is not None:
-            try:
-                state = before(engine, instance, args, kwargs)
-            except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
-                errors.record(hook, exc)
-                return wrapped(*args, **kwargs)
-        result = wrapped(*args, **kwargs)
-        try:
-            after(engine, instance, args, kwargs, result, state)
-        except Exception as exc:  # noqa: BLE001
-            errors.record(hook, exc)
-        return result
+def _observing(hook: str, errors: InstrumentationErrors, after: After, before: Before | None = None) -> MethodBuilder:
+    """The scheduler's hooks: ``before`` and ``after`` get the engine, vLLM's
+    object and its arguments; ``after`` also the result and what ``before`` returned."""
 
-    return wrapper
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is None:
+                return original(self, *args, **kwargs)
+            state = None
+            if before is not None:
+                try:
+                    state = before(engine, self, args, kwargs)
+                except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
+                    errors.record(hook, exc)
+                    return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            try:
+                after(engine, self, args, kwargs, result, state)
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+            return result
+
+        return method
+
+    return build
+
+
+def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> MethodBuilder:
+    """The block pool's hooks, the hottest: ``before`` names a ``PoolTracker``
+    method that takes vLLM's own arguments and does all its accounting."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    getattr(engine.pool, before)(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    errors.record(hook, exc)
+            return original(self, *args, **kwargs)
+
+        return method
+
+    return build
+
+
+def _free_blocks(hook: str, errors: InstrumentationErrors) -> MethodBuilder:
+    """``free_blocks``: the tracker reads what it appended to the free queue."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is None:
+                return original(self, *args, **kwargs)
+            try:
+                last_before = engine.pool.before_freeing()
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+                return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            try:
+                engine.pool.on_freed(last_before)
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+            return result
+
+        return method
+
+    return build
 
 
 def scheduler_init_wrapper(
-    hook: str, tracer: Tracer, instruments: KVCacheInstruments, errors: InstrumentationErrors
+    hook: str, exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
 ) -> Wrapper:
     def wrapper(wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
         if not is_instrumentation_enabled():
             return
         try:
-            engine = EngineTelemetry(instance, tracer, instruments, errors)
+            engine = EngineTelemetry(instance, exporter_for(), instruments, errors)
             manager = instance.kv_cache_manager
             for owner in (instance, manager, manager.block_pool):
                 setattr(owner, ENGINE_ATTRIBUTE, engine)
@@ -110,60 +171,21 @@ def _step_end(engine, scheduler, args, kwargs, result, state):
     engine.on_step_end()
 
 
-def _before_allocating(engine, pool, args, kwargs):
-    return engine.pool.before_allocating(first_argument(args, kwargs, "num_blocks"))
-
-
-def _evicted(engine, pool, args, kwargs, result, evicted):
-    engine.pool.on_evicted(evicted)
-
-
-def _before_evicting(engine, pool, args, kwargs):
-    return engine.pool.before_evicting(first_argument(args, kwargs, "block_ids"))
-
-
-def _before_touch(engine, pool, args, kwargs):
-    engine.pool.on_touching(first_argument(args, kwargs, "blocks"))
-
-
-def _nothing_after(engine, instance, args, kwargs, result, state):
-    pass
-
-
 def _prefix_cache_reset(engine, pool, args, kwargs, succeeded, state):
     if succeeded:
         engine.pool.on_reset()
 
 
-def _free_blocks_factory(hook: str, errors: InstrumentationErrors) -> Wrapper:
-    """``free_blocks`` takes any iterable (vLLM passes ``reversed(...)``): we
-    materialize it once so both vLLM and the tracker see every block."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        engine = getattr(instance, ENGINE_ATTRIBUTE, None)
-        if engine is None or not is_instrumentation_enabled() or len(args) != 1 or kwargs:
-            return wrapped(*args, **kwargs)
-        blocks = list(args[0])
-        result = wrapped(blocks)
-        try:
-            engine.pool.on_freed(blocks)
-        except Exception as exc:  # noqa: BLE001
-            errors.record(hook, exc)
-        return result
-
-    return wrapper
-
-
 def build_wrappers(
-    tracer: Tracer, instruments: KVCacheInstruments, errors: InstrumentationErrors
-) -> dict[str, Callable[[str], Wrapper]]:
+    exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
+) -> dict[str, Callable[[str], Wrapper | MethodBuilder]]:
     """Role -> a factory taking the hook's name; factories run only once vLLM is imported."""
 
-    def observing(after: After, before: Before | None = None) -> Callable[[str], Wrapper]:
+    def observing(after: After, before: Before | None = None) -> Callable[[str], MethodBuilder]:
         return lambda hook: _observing(hook, errors, after, before)
 
     return {
-        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, tracer, instruments, errors),
+        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
         "request_added": observing(_request_added),
         "preempt": observing(_preempted, _before_preempt),
         "release": observing(_released, _before_release),
@@ -171,10 +193,9 @@ def build_wrappers(
         "scheduled": observing(_scheduled),
         "admission_attempt": observing(_admission_attempted),
         "prefix_lookup": observing(_prefix_lookup),
-        "allocate_blocks": observing(_evicted, _before_allocating),
-        "evict_blocks": observing(_evicted, _before_evicting),
-        "free_blocks": lambda hook: _free_blocks_factory(hook, errors),
-        "touch": observing(_nothing_after, _before_touch),
+        "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
+        "free_blocks": lambda hook: _free_blocks(hook, errors),
+        "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
         "reset_prefix_cache": observing(_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),

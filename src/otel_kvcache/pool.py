@@ -2,19 +2,32 @@
 
 vLLM's ``BlockPool`` knows how many blocks are free, but not how many of those
 free blocks still hold a reusable prefix (they are evictable, yet a later
-request may hit them). Scanning the pool for that is O(blocks) per step, so
-``PoolTracker`` counts the transitions instead, from the only places a block
-changes state: ``free_blocks`` (a block's last reference goes), ``touch`` (a
-prefix hit takes a cached block back), ``get_new_blocks`` (blocks popped off
-the free queue lose their hash: evictions) and ``reset_prefix_cache``. Each
-costs O(blocks passed to that call).
+request may hit them), nor which it evicts. Scanning the pool for that is
+O(blocks) per step, and hooking ``get_new_blocks`` (dozens of calls a step)
+costs more than the rest of the instrumentation together, so ``PoolTracker``
+mirrors the free queue's order instead.
+
+vLLM's free queue is always [blocks without a hash][blocks with one, least
+recently freed first]: ``free_blocks`` prepends the former and appends the
+latter, ``get_new_blocks`` pops from the head, ``touch`` takes prefix hits out
+of the back. The tracker keeps the back part as an ordered map of block ids,
+fed by ``free_blocks`` and ``touch`` (per request, not per step). Whatever
+left the free queue since the tracker last looked was popped from the head
+(``settle``, at each of those calls and at the end of each step): the pops
+beyond the front part evicted the back part's first blocks, which gives the
+evictions and their ages exactly, at O(evictions).
+
+Not mirrored: ``unpin_blocks`` (hisparse) appends to the queue without a hook;
+with it, the cached count can drift until the next prefix-cache reset.
 """
 
 from __future__ import annotations
 
 import time
-from array import array
+from collections import OrderedDict, deque
 from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import attrgetter, not_
 from typing import Any, NamedTuple
 
 
@@ -31,96 +44,170 @@ class PoolSnapshot(NamedTuple):
         return self.used / self.limit if self.limit else 0.0
 
 
+_REF_CNT = attrgetter("ref_cnt")
+_BLOCK_ID = attrgetter("block_id")
+_IS_NULL = attrgetter("is_null")
+
+
 def _is_cached_free(block: Any) -> bool:
     return block.ref_cnt == 0 and not block.is_null and block.block_hash is not None
 
 
 class PoolTracker:
-    """Counts the evictable cached blocks of one vLLM ``BlockPool``."""
+    """Counts the evictable cached blocks of one vLLM ``BlockPool``, and its evictions."""
 
-    __slots__ = ("pool", "limit", "cached", "evictions", "eviction_age_sum", "eviction_age_max", "_cached_at", "_hit")
+    __slots__ = (
+        "pool",
+        "queue",
+        "limit",
+        "cached",
+        "evictions",
+        "eviction_age_sum",
+        "eviction_age_max",
+        "_free_seen",
+        "_back",
+        "_dead",
+        "_hit",
+    )
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        self.queue = pool.free_block_queue
         # vLLM reserves block 0 as a placeholder ("null block") that is never
         # handed out, so it is not part of the usable pool.
         self.limit = pool.num_gpu_blocks - 1
-        self.cached = sum(1 for block in pool.blocks if _is_cached_free(block))
         self.evictions = 0
         self.eviction_age_sum = 0.0
         self.eviction_age_max = 0.0
+        self._hit = bytearray(pool.num_gpu_blocks)  # reused by a prefix hit since it was cached
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """The back part from a walk of the free queue (at start, and after a prefix-cache reset)."""
         now = time.monotonic()
-        self._cached_at = array("d", [now]) * pool.num_gpu_blocks  # when each block's prefix was last cached
-        self._hit = bytearray(pool.num_gpu_blocks)  # reused by a prefix hit since then
+        # Block id -> when it was cached (None once a KV connector evicted it in place),
+        # in queue order: the next to be evicted first.
+        self._back: OrderedDict[int, float | None] = OrderedDict(
+            (block.block_id, now) for block in self.queue.get_all_free_blocks() if block.block_hash is not None
+        )
+        self.cached = len(self._back)
+        self._dead = 0
+        self._free_seen = self.queue.num_free_blocks
 
-    def on_freed(self, blocks: Iterable[Any]) -> None:
-        """After ``free_blocks``: blocks whose last reference went and kept a hash."""
-        pool, cached_at, now = self.pool, self._cached_at, time.monotonic()
-        for block in blocks:
-            if (block.pool is None or block.pool is pool) and _is_cached_free(block):
-                self.cached += 1
-                cached_at[block.block_id] = now
+    # --- what vLLM did -------------------------------------------------------------
 
-    def on_touching(self, blocks: Iterable[Any]) -> None:
-        """Before ``touch``: a prefix hit takes these blocks back (out of the cache, if free)."""
-        hit = self._hit
-        for block in blocks:
-            if block.block_hash is not None and not block.is_null:
-                hit[block.block_id] = 1
-                if block.ref_cnt == 0:
-                    self.cached -= 1
+    def settle(self) -> None:
+        """Blocks that left the free queue since the last look were popped from its
+        head; those past the front (hashless) part were evicted from the prefix cache."""
+        free = self.queue.num_free_blocks
+        front = self._free_seen - len(self._back)  # hashless blocks at the head when we last looked
+        from_back = self._free_seen - free - front
+        self._free_seen = free
+        if from_back > 0:
+            self._evict(from_back)
 
-    def cached_blocks_hit_again(self) -> int:
-        """Evictable cached blocks a prefix hit has reused (a scan: reconciliation only)."""
-        hit = self._hit
-        return sum(1 for block in self.pool.blocks if hit[block.block_id] and _is_cached_free(block))
-
-    def before_allocating(self, num_blocks: int) -> list[int]:
-        """Before ``get_new_blocks(n)``: which of the n blocks at the head of the free
-        queue still hold a prefix; popping them evicts it."""
-        victims = []
-        block = self.pool.free_block_queue.fake_free_list_head.next_free_block
-        for _ in range(num_blocks):
-            if block is None or block.is_null:
-                break
-            if block.block_hash is not None:
-                victims.append(block.block_id)
-            block = block.next_free_block
-        return victims
-
-    def before_evicting(self, block_ids) -> list[int]:
-        """Before ``evict_blocks`` (a KV connector's): the free cached blocks among them."""
-        blocks = self.pool.blocks
-        return [block_id for block_id in block_ids if _is_cached_free(blocks[block_id])]
-
-    def on_evicted(self, block_ids: list[int]) -> None:
-        """The cached blocks vLLM just evicted: counted, and aged since they were cached."""
-        if not block_ids:
-            return
-        now, cached_at, hit = time.monotonic(), self._cached_at, self._hit
-        for block_id in block_ids:
-            age = now - cached_at[block_id]
-            self.eviction_age_sum += age
-            if age > self.eviction_age_max:
-                self.eviction_age_max = age
+    def _evict(self, count: int) -> None:
+        back, hit = self._back, self._hit
+        evicted, cached_at_sum, oldest = 0, 0.0, 0.0
+        for _ in range(min(count, len(back))):
+            block_id, cached_at = back.popitem(last=False)
             hit[block_id] = 0
-        self.evictions += len(block_ids)
-        self.cached -= len(block_ids)
+            if cached_at is None:  # evicted in place by a KV connector: counted then
+                self._dead -= 1
+                continue
+            if not evicted:
+                oldest = cached_at  # blocks joined the back part in the order they were cached
+            cached_at_sum += cached_at
+            evicted += 1
+        if evicted:
+            now = time.monotonic()
+            self.eviction_age_sum += evicted * now - cached_at_sum
+            self.eviction_age_max = max(self.eviction_age_max, now - oldest)
+            self.evictions += evicted
+            self.cached -= evicted
+
+    def before_freeing(self) -> Any:
+        """Before ``free_blocks``: settles, and returns the queue's last block."""
+        self.settle()
+        return self.queue.fake_free_list_tail.prev_free_block
+
+    def on_freed(self, last_before: Any) -> None:
+        """After ``free_blocks``: the blocks it appended after ``last_before`` are the
+        ones whose last reference went and that kept a hash, in the order vLLM
+        will evict them. (The hashless ones went to the head, other pools' blocks
+        to their own queues.)"""
+        block = self.queue.fake_free_list_tail.prev_free_block
+        appended = []
+        if last_before is self.queue.fake_free_list_head:
+            # The queue was empty: the hashless blocks vLLM prepended come first.
+            while block is not last_before and block.block_hash is not None:
+                appended.append(block.block_id)
+                block = block.prev_free_block
+        else:
+            while block is not last_before:
+                appended.append(block.block_id)
+                block = block.prev_free_block
+        if appended:
+            appended.reverse()
+            self._back.update(zip(appended, repeat(time.monotonic())))
+            self.cached += len(appended)
+        self._free_seen = self.queue.num_free_blocks
+
+    def on_touching(self, blocks: list[Any]) -> None:
+        """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free)."""
+        self.settle()
+        # Hits are hashed blocks; null ones stand in for skipped blocks.
+        hits = list(compress(blocks, map(not_, map(_IS_NULL, blocks))))
+        deque(map(self._hit.__setitem__, map(_BLOCK_ID, hits), repeat(1)), maxlen=0)
+        back, taken = self._back, 0
+        for block in compress(hits, map(not_, map(_REF_CNT, hits))):  # free: in the back part
+            taken += 1
+            cached_at = back.pop(block.block_id, False)
+            if cached_at is None:
+                self._dead -= 1
+            elif cached_at:
+                self.cached -= 1
+        self._free_seen -= taken
+
+    def before_evicting(self, block_ids: Iterable[int]) -> None:
+        """Before ``evict_blocks`` (a KV connector's): free cached blocks among them
+        lose their prefix but keep their place in the queue."""
+        self.settle()
+        back, now = self._back, time.monotonic()
+        for block_id in block_ids:
+            cached_at = back.get(block_id)
+            if cached_at is not None:
+                back[block_id] = None
+                self._dead += 1
+                self._hit[block_id] = 0
+                self.eviction_age_sum += now - cached_at
+                self.eviction_age_max = max(self.eviction_age_max, now - cached_at)
+                self.evictions += 1
+                self.cached -= 1
+
+    def on_reset(self) -> None:
+        """After a successful ``reset_prefix_cache``: no block holds a prefix."""
+        self._hit = bytearray(len(self._hit))
+        self._rebuild()
+
+    # --- readings ------------------------------------------------------------------
 
     def take_eviction_age_max(self) -> float:
         """The oldest eviction since the last call (the gauge's reading), then reset."""
         oldest, self.eviction_age_max = self.eviction_age_max, 0.0
         return oldest
 
-    def on_reset(self) -> None:
-        self.cached = 0
-        self._hit = bytearray(len(self._hit))
+    def cached_blocks_hit_again(self) -> int:
+        """Evictable cached blocks a prefix hit has reused (a scan: reconciliation only)."""
+        hit = self._hit
+        return sum(1 for block in self.pool.blocks if hit[block.block_id] and _is_cached_free(block))
 
     def used_blocks(self) -> int:
         return self.limit - self.pool.get_num_free_blocks()
 
     def snapshot(self) -> PoolSnapshot:
-        free_total = self.pool.get_num_free_blocks()
+        """As of the last ``settle``."""
+        free_total = self._free_seen
         cached = min(max(self.cached, 0), free_total)
         return PoolSnapshot(
             used=self.limit - free_total,

@@ -26,6 +26,9 @@ class HookPoint(NamedTuple):
     method: str
     role: str
     """Which wrapper in ``patch.py`` goes here, and what the method means to us."""
+    hot: bool = True
+    """Runs in the engine's loop, up to many times a step: patched with a plain
+    function, as wrapt's proxy costs ~0.7 µs a call there (``hooks.py``)."""
     verified_on: tuple[str, ...] = VERIFIED
 
     @property
@@ -35,7 +38,7 @@ class HookPoint(NamedTuple):
 
 HOOK_POINTS: tuple[HookPoint, ...] = (
     # Builds the engine's KV telemetry right after vLLM built its KV manager.
-    HookPoint(SCHEDULER_MODULE, "Scheduler", "__init__", "scheduler_init"),
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "__init__", "scheduler_init", hot=False),
     # Admits a new request (also called again for streaming-input chunks).
     HookPoint(SCHEDULER_MODULE, "Scheduler", "add_request", "request_added"),
     # Once per step; its output lists the step's new and resumed requests.
@@ -53,10 +56,10 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # Called once per successful admission with the local prefix-hit tokens
     # (get_computed_blocks also runs for admissions that fail and over-counts).
     HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "record_prefix_cache_stats", "prefix_lookup"),
-    # Pops blocks off the head of the free queue; a popped block that still
-    # holds a prefix hash is evicted from the prefix cache.
-    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "get_new_blocks", "allocate_blocks"),
-    # The last reference of a block goes; hashed blocks stay as evictable cache.
+    # The last reference of a block goes: hashless blocks go to the head of the
+    # free queue, hashed ones (evictable cache) to its back. get_new_blocks pops
+    # from the head, evicting the hashed blocks it pops: not hooked, as it runs
+    # dozens of times a step; pool.py infers it from the queue's length.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "free_blocks", "free_blocks"),
     # A prefix hit takes cached blocks back into use.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "touch", "touch"),
@@ -65,11 +68,11 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # Drops every hash at once.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "reset_prefix_cache", "reset_prefix_cache"),
     # API server: drops the HTTP request's trace headers without --otlp-traces-endpoint.
-    HookPoint("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", "remember_trace_headers"),
+    HookPoint("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", "remember_trace_headers", hot=False),
     # API server, in the request's coroutine: the EngineCoreRequest bound for the engine.
-    HookPoint("vllm.v1.engine.input_processor", "InputProcessor", "assign_request_id", "attach_trace_context"),
+    HookPoint("vllm.v1.engine.input_processor", "InputProcessor", "assign_request_id", "attach_trace_context", hot=False),
     # Starts EngineCore and worker processes (named as in PROCESS_ROLES).
-    HookPoint("multiprocessing.process", "BaseProcess", "start", "name_child_process"),
+    HookPoint("multiprocessing.process", "BaseProcess", "start", "name_child_process", hot=False),
 )
 
 # The names vLLM gives the processes it starts -> (role, attribute for the number in the name).
@@ -128,6 +131,13 @@ def kv_bytes_per_block(kv_cache_config: Any) -> int:
     (0 when the config lists no tensors, as in a scheduler built without workers)."""
     total = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
     return total // kv_cache_config.num_blocks if kv_cache_config.num_blocks else 0
+
+
+def may_hold_null_blocks(type_manager: Any) -> bool:
+    """Whether a request's block list may hold vLLM's null block (placeholders for
+    skipped blocks: sliding window, chunked local attention, Mamba, RSWA...).
+    Plain full attention never does, so its held blocks are its list's length."""
+    return type(type_manager).__name__ != "FullAttentionManager"
 
 
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:

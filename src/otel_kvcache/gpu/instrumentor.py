@@ -27,6 +27,7 @@ from opentelemetry.metrics import CallbackOptions, Observation, get_meter
 from otel_kvcache import names
 from otel_kvcache.gpu.allocator import AllocatorReading, TorchAllocatorSource
 from otel_kvcache.gpu.nvml import DeviceReading, NVMLSource
+from otel_kvcache.config import env_choice
 from otel_kvcache.package import _instruments
 from otel_kvcache.resource import handed_down_attributes, process_role
 from otel_kvcache.version import __version__
@@ -39,15 +40,7 @@ READING_TTL_SECONDS = 0.5  # one NVML read serves all the gauges of one collecti
 
 
 def reports_devices() -> bool:
-    setting = os.environ.get(DEVICE_METRICS_VARIABLE, "auto").strip().lower()
-    if setting not in DEVICE_METRICS_CHOICES:
-        _logger.warning(
-            "otel-kvcache: %s=%r is not one of %s; using 'auto'",
-            DEVICE_METRICS_VARIABLE,
-            os.environ[DEVICE_METRICS_VARIABLE],
-            ", ".join(DEVICE_METRICS_CHOICES),
-        )
-        setting = "auto"
+    setting = env_choice(DEVICE_METRICS_VARIABLE, DEVICE_METRICS_CHOICES)
     if setting != "auto":
         return setting == "always"
     return process_role() in (None, names.ROLE_API_SERVER)

@@ -1,0 +1,175 @@
+"""Where a finished request's record becomes its span and its histogram points.
+
+The engine thread never builds spans: building one through the SDK and
+recording three histograms costs tens of microseconds, as much as the whole
+budget of a scheduler step. At release it packs the request's record into a
+``FinishedRequest`` tuple and hands it to an exporter:
+
+- ``RequestExporter`` builds the span and records the histograms where it is
+  called. The engine uses it directly only when it was given its providers
+  (``instrument(tracer_provider=...)``), which cannot leave the process.
+- ``ExporterProcess`` (``exporter_process.py``) queues the tuples and sends
+  them in batches to a helper process that runs ``RequestExporter`` with an
+  SDK configured from the same ``OTEL_*`` environment, under the EngineCore's
+  resource. The engine thread pays for a tuple and a share of one pickle.
+
+Leak findings for requests whose span has ended take the same road, so they
+join the span's trace wherever the span was built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import Meter
+from opentelemetry.propagate import extract
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Tracer
+
+from otel_kvcache import names
+
+_findings_logger = logging.getLogger("otel_kvcache.findings")
+
+# Span contexts of recently ended requests, so a later leak finding joins their trace.
+RECENTLY_ENDED = 4096
+
+
+class FinishedRequest(NamedTuple):
+    """What the span and the histograms of one finished request are built from.
+    Counts, times and ids only: no prompt or output text, no token ids."""
+
+    request_id: str
+    trace_headers: dict[str, str] | None
+    start_ns: int
+    input_tokens: int
+    output_tokens: int
+    cache_read_tokens: int
+    block_size: int
+    peak: int
+    allocated: int
+    prefix_hit_blocks: int
+    freed: int
+    preemptions: int
+    recomputed_tokens: int
+    stalls: int
+    finish_reason: str
+    events: list[tuple[str, int, dict]]
+    still_held: int
+    """Blocks vLLM still attributes to the request after releasing it: a leak."""
+    engine_attributes: dict[str, Any]
+
+
+class Finding(NamedTuple):
+    """A leak finding about a request whose span has already ended."""
+
+    request_id: str
+    event: str
+    attributes: dict[str, Any]
+    message: str
+
+
+class RequestHistograms:
+    """The per-request distributions, recorded where the spans are built."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.blocks = meter.create_histogram(
+            names.REQUEST_BLOCKS,
+            unit="{block}",
+            description="Peak KV blocks held per finished request.",
+            explicit_bucket_boundaries_advisory=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
+        )
+        self.prefix_hit_ratio = meter.create_histogram(
+            names.REQUEST_PREFIX_HIT_RATIO,
+            unit="1",
+            description="Prefix-cache hit tokens over prompt tokens per finished request.",
+            explicit_bucket_boundaries_advisory=[0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
+        )
+        self.preemptions = meter.create_histogram(
+            names.REQUEST_PREEMPTIONS,
+            unit="{preemption}",
+            description="Preemptions per finished request.",
+            explicit_bucket_boundaries_advisory=[0, 1, 2, 4, 8, 16, 32],
+        )
+
+
+class RequestExporter:
+    """Builds ``vllm.kv_cache.request`` spans, histogram points and finding spans."""
+
+    def __init__(self, tracer: Tracer, histograms: RequestHistograms) -> None:
+        self.tracer = tracer
+        self.histograms = histograms
+        self.recently_ended: OrderedDict[str, SpanContext] = OrderedDict()
+
+    def request_ended(self, finished: FinishedRequest) -> None:
+        headers = finished.trace_headers
+        span = self.tracer.start_span(
+            names.KV_REQUEST_SPAN,
+            context=extract(headers, context=Context()) if headers else Context(),
+            kind=SpanKind.INTERNAL,
+            start_time=finished.start_ns,
+            attributes={
+                names.REQUEST_ID: finished.request_id,
+                names.INPUT_TOKENS: finished.input_tokens,
+                names.OUTPUT_TOKENS: finished.output_tokens,
+                names.CACHE_READ_INPUT_TOKENS: finished.cache_read_tokens,
+                names.BLOCK_SIZE: finished.block_size,
+                names.BLOCKS_PEAK: finished.peak,
+                names.BLOCKS_ALLOCATED: finished.allocated,
+                names.BLOCKS_PREFIX_HIT: finished.prefix_hit_blocks,
+                names.BLOCKS_FREED: finished.freed,
+                names.PREEMPTIONS: finished.preemptions,
+                names.RECOMPUTED_TOKENS: finished.recomputed_tokens,
+                names.ALLOCATION_STALLS: finished.stalls,
+                names.FINISH_REASON: finished.finish_reason,
+            },
+        )
+        for name, timestamp, attributes in finished.events:
+            span.add_event(name, attributes, timestamp)
+        span.end(finished.events[-1][1])
+        # Recorded in the span's context so exporters can attach it as an exemplar.
+        context = trace.set_span_in_context(span)
+        histograms, attributes = self.histograms, finished.engine_attributes
+        histograms.blocks.record(finished.peak, attributes, context=context)
+        histograms.preemptions.record(finished.preemptions, attributes, context=context)
+        if finished.input_tokens:
+            ratio = min(finished.cache_read_tokens / finished.input_tokens, 1.0)
+            histograms.prefix_hit_ratio.record(ratio, attributes, context=context)
+        span_context = span.get_span_context()
+        self.recently_ended[finished.request_id] = span_context
+        if len(self.recently_ended) > RECENTLY_ENDED:
+            self.recently_ended.popitem(last=False)
+        if finished.still_held:
+            log_in_trace(
+                span_context,
+                "otel-kvcache: request %s was released but vLLM still attributes %d KV blocks to it",
+                finished.request_id,
+                finished.still_held,
+            )
+
+    def finding(self, finding: Finding) -> None:
+        """A finding span in the ended request's trace, and a log record in its context."""
+        context = self.recently_ended.get(finding.request_id)
+        if context is not None:
+            parent = trace.set_span_in_context(NonRecordingSpan(context))
+            span = self.tracer.start_span(names.FINDING_SPAN, context=parent, attributes=finding.attributes)
+            span.add_event(finding.event, finding.attributes)
+            span.end()
+        log_in_trace(context, "otel-kvcache: request %s %s", finding.request_id, finding.message)
+
+    def flush_if_due(self) -> None:
+        """Nothing is ever pending here (the ``ExporterProcess`` interface)."""
+
+    def flush(self) -> None:
+        """Nothing is ever pending here."""
+
+
+def log_in_trace(context: SpanContext | None, message: str, *args) -> None:
+    """A warning that carries the request's trace context, for a log backend to link."""
+    if context is None:
+        _findings_logger.warning(message, *args)
+        return
+    with trace.use_span(NonRecordingSpan(context)):
+        _findings_logger.warning(message, *args)

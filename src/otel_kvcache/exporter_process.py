@@ -1,0 +1,183 @@
+"""A helper process that builds the engine's spans, so the engine thread doesn't.
+
+``ExporterProcess`` lives in the EngineCore process: it queues
+``FinishedRequest`` and ``Finding`` tuples and, every ``FLUSH_SECONDS`` (or
+``BATCH`` messages, or when the engine goes idle), writes them as one pickled
+frame to the stdin of ``python -m otel_kvcache.exporter_process``. The pipe is
+non-blocking: if the helper falls behind by more than ``MAX_BUFFERED_BYTES``,
+batches are dropped and counted, never waited for.
+
+The helper configures the OpenTelemetry SDK from the inherited ``OTEL_*``
+environment (by ``opentelemetry-instrument``'s sitecustomize, or here if it
+did not run) with the EngineCore's resource attributes handed down, runs
+``RequestExporter`` on every message, and flushes and exits when the pipe
+closes, i.e. when the EngineCore exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.export import Finding, FinishedRequest
+
+_logger = logging.getLogger(__name__)
+
+FLUSH_SECONDS = 0.2
+BATCH = 256
+MAX_BUFFERED_BYTES = 8 << 20
+_FRAME_HEADER = struct.Struct("<I")
+HOOK = "exporter_process"
+"""The name our errors in the channel are counted under."""
+
+
+class HelperFellBehind(RuntimeError):
+    """Records dropped because the helper process did not keep up (or exited)."""
+
+
+class ExporterProcess:
+    """The engine's side of the pipe to its helper process."""
+
+    def __init__(self, handed_down: dict[str, Any], errors: InstrumentationErrors) -> None:
+        self.errors = errors
+        environment = dict(os.environ)
+        from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
+
+        environment[PROCESS_ENVIRONMENT_VARIABLE] = json.dumps(handed_down)
+        # The helper runs our exporter only: it must not instrument itself.
+        disabled = environment.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
+        environment["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = ",".join(
+            filter(None, [disabled, "vllm_kvcache", "vllm_gpu"])
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "otel_kvcache.exporter_process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env=environment,
+            close_fds=True,
+        )
+        self._fd = self.process.stdin.fileno()
+        os.set_blocking(self._fd, False)
+        self._pending: list[tuple] = []
+        self._outgoing = bytearray()
+        self._due = time.monotonic() + FLUSH_SECONDS
+        self.dropped = 0
+        atexit.register(self.close)
+
+    def request_ended(self, finished: FinishedRequest) -> None:
+        self._pending.append(finished)
+        if len(self._pending) >= BATCH:
+            self.flush()
+
+    def finding(self, finding: Finding) -> None:
+        self._pending.append(finding)
+        self.flush()
+
+    def flush_if_due(self) -> None:
+        """Once per step: send what is pending if it waited ``FLUSH_SECONDS``."""
+        if self._pending or self._outgoing:
+            now = time.monotonic()
+            if now >= self._due:
+                self._due = now + FLUSH_SECONDS
+                self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            frame = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            if len(self._outgoing) + len(frame) > MAX_BUFFERED_BYTES or self.process.stdin is None:
+                self._drop(len(batch))
+            else:
+                self._outgoing += _FRAME_HEADER.pack(len(frame))
+                self._outgoing += frame
+        if self._outgoing:
+            try:
+                written = os.write(self._fd, self._outgoing)
+            except BlockingIOError:
+                return
+            except OSError:  # the helper exited
+                self._outgoing.clear()
+                self._drop(0)
+                return
+            del self._outgoing[:written]
+
+    def _drop(self, count: int) -> None:
+        self.dropped += count
+        self.errors.record(HOOK, HelperFellBehind(f"{self.dropped} records dropped so far"))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """At exit: hand over everything pending, then let the helper export and exit."""
+        stdin = self.process.stdin
+        if stdin is None or stdin.closed:
+            return
+        try:
+            self.flush()
+            os.set_blocking(self._fd, True)
+            if self._outgoing:
+                os.write(self._fd, self._outgoing)
+                self._outgoing.clear()
+            stdin.close()
+            self.process.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _logger.warning("otel-kvcache: the exporter process did not finish cleanly: %s", exc)
+
+
+# --- the helper process ---------------------------------------------------------
+
+
+def _configured_exporter():
+    from opentelemetry import metrics, trace
+    from opentelemetry.trace import ProxyTracerProvider
+
+    from otel_kvcache.export import RequestExporter, RequestHistograms
+    from otel_kvcache.names import METER_SCOPE
+    from otel_kvcache.version import __version__
+
+    if isinstance(trace.get_tracer_provider(), ProxyTracerProvider):
+        # Not started under opentelemetry-instrument: configure the SDK the way it would.
+        from opentelemetry.instrumentation.auto_instrumentation import initialize
+
+        initialize()
+    tracer = trace.get_tracer(METER_SCOPE, __version__)
+    histograms = RequestHistograms(metrics.get_meter(METER_SCOPE, __version__))
+    return RequestExporter(tracer, histograms)
+
+
+def _frames(stream):
+    while True:
+        header = stream.read(_FRAME_HEADER.size)
+        if len(header) < _FRAME_HEADER.size:
+            return
+        (length,) = _FRAME_HEADER.unpack(header)
+        frame = stream.read(length)
+        if len(frame) < length:
+            return
+        yield pickle.loads(frame)
+
+
+def main() -> int:
+    exporter = _configured_exporter()
+    for batch in _frames(sys.stdin.buffer):
+        for message in batch:
+            try:
+                if isinstance(message, FinishedRequest):
+                    exporter.request_ended(message)
+                elif isinstance(message, Finding):
+                    exporter.finding(message)
+            except Exception:  # noqa: BLE001 - one bad record must not stop the others
+                _logger.exception("otel-kvcache: could not export %s", type(message).__name__)
+    # The SDK's providers flush and shut down at exit.
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Spans built in the helper process, exported over real OTLP/gRPC, against vLLM's ground truth."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import Telemetry
+from demo.otlp_sink import OTLPSink, attributes_of
+
+from otel_kvcache import VLLMKVCacheInstrumentor, names
+from otel_kvcache.exporter_process import ExporterProcess
+
+TRACE_ID, PARENT_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
+
+
+@pytest.fixture
+def helper_exports_to(monkeypatch):
+    """The helper's SDK comes from the environment, as under opentelemetry-instrument."""
+    sink = OTLPSink().start()
+    for variable, value in {
+        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    yield sink
+    sink.stop()
+
+
+def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_exports_to):
+    from engine_harness import EngineHarness, make_scheduler
+
+    sink = helper_exports_to
+    telemetry = Telemetry()  # the engine process keeps only the observable instruments
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=telemetry.meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=24))
+        headers = {"traceparent": f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01"}
+        requests = [
+            engine.add(
+                engine.make_request(
+                    f"chat-{i}", prompt_len=40 + 8 * i, shared_prefix=32, max_tokens=90, trace_headers=headers
+                )
+            )
+            for i in range(6)
+        ]
+        engine.run()
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        assert isinstance(exporter, ExporterProcess)
+        exporter.close()  # the helper gets EOF, flushes its SDK and exits
+    finally:
+        instrumentor.uninstrument()
+
+    assert exporter.process.returncode == 0
+    assert exporter.dropped == 0
+    assert telemetry.kv_spans() == []  # nothing was built in this process
+    spans = {
+        attributes_of(span.attributes)[names.REQUEST_ID]: (resource, span)
+        for resource, span in sink.spans()
+        if span.name == names.KV_REQUEST_SPAN
+    }
+    assert set(spans) == {r.request_id for r in requests}
+    assert sum(r.num_preemptions for r in requests) > 0, "the workload must preempt to mean anything"
+    for request in requests:
+        resource, span = spans[request.request_id]
+        attrs = attributes_of(span.attributes)
+        # The helper speaks for this process.
+        assert resource["process.pid"] == os.getpid()
+        assert span.trace_id == TRACE_ID.to_bytes(16, "big")
+        assert span.parent_span_id == PARENT_ID.to_bytes(8, "big")
+        assert span.start_time_unix_nano == int(request.arrival_time * 1e9)
+        assert attrs[names.PREEMPTIONS] == request.num_preemptions
+        assert attrs[names.OUTPUT_TOKENS] == request.num_output_tokens
+        assert attrs[names.INPUT_TOKENS] == request.num_prompt_tokens
+        assert attrs[names.FINISH_REASON] == str(request.get_finished_reason())
+        assert attrs[names.BLOCKS_PEAK] == engine.truth.peak_blocks[request.request_id]
+        assert attrs[names.BLOCKS_FREED] == engine.truth.last_held_blocks[request.request_id]
+        events = [event.name for event in span.events]
+        assert events.count(names.EVENT_PREEMPTED) == request.num_preemptions
+
+    [(_, histogram)] = list(sink.metrics(names.REQUEST_BLOCKS))[-1:]
+    [point] = histogram.histogram.data_points
+    assert point.count == len(requests)
+    assert point.sum == sum(engine.truth.peak_blocks[r.request_id] for r in requests)
+    # The engine-side counters still come from this process.
+    assert telemetry.total(names.PREEMPTIONS) == sum(r.num_preemptions for r in requests)

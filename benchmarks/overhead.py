@@ -44,7 +44,7 @@ VARIANTS = {
 # --- the worker processes ------------------------------------------------------------
 
 
-def _instrument(in_process: bool = False):
+def _instrument(in_process: bool = False, export_interval_millis: int = 5_000):
     """As under ``opentelemetry-instrument``: spans and request histograms built by
     the helper process, whose SDK comes from the environment (batch span
     processor and periodic metric reader into console exporters, whose output the
@@ -81,7 +81,7 @@ def _instrument(in_process: bool = False):
         def shutdown(self, timeout_millis=30_000, **kwargs):
             pass
 
-    reader = PeriodicExportingMetricReader(DiscardMetrics(), export_interval_millis=5_000)
+    reader = PeriodicExportingMetricReader(DiscardMetrics(), export_interval_millis=export_interval_millis)
     meter_provider = MeterProvider(metric_readers=[reader])
     if in_process:
         tracer_provider = TracerProvider()
@@ -93,7 +93,7 @@ def _instrument(in_process: bool = False):
             OTEL_TRACES_EXPORTER="console",
             OTEL_METRICS_EXPORTER="console",
             OTEL_LOGS_EXPORTER="none",
-            OTEL_METRIC_EXPORT_INTERVAL="5000",
+            OTEL_METRIC_EXPORT_INTERVAL=str(export_interval_millis),
         )
         VLLMKVCacheInstrumentor().instrument(meter_provider=meter_provider)
     return meter_provider

@@ -3,7 +3,7 @@
 The engine thread never builds spans: building one through the SDK and
 recording three histograms costs tens of microseconds, as much as the whole
 budget of a scheduler step. At release it packs the request's record into a
-``FinishedRequest`` tuple and hands it to an exporter:
+tuple (``FinishedRequest``'s fields) and hands it to an exporter:
 
 - ``RequestExporter`` builds the span and records the histograms where it is
   called. The engine uses it directly only when it was given its providers
@@ -103,7 +103,9 @@ class RequestExporter:
         self.histograms = histograms
         self.recently_ended: OrderedDict[str, SpanContext] = OrderedDict()
 
-    def request_ended(self, finished: FinishedRequest) -> None:
+    def request_ended(self, fields: tuple) -> None:
+        """``fields``: a ``FinishedRequest``, or a plain tuple in its field order."""
+        finished = FinishedRequest._make(fields)
         headers = finished.trace_headers
         span = self.tracer.start_span(
             names.KV_REQUEST_SPAN,

@@ -1,7 +1,7 @@
 """A helper process that builds the engine's spans, so the engine thread doesn't.
 
-``ExporterProcess`` lives in the EngineCore process: it queues
-``FinishedRequest`` and ``Finding`` tuples and, every ``FLUSH_SECONDS`` (or
+``ExporterProcess`` lives in the EngineCore process: it queues finished
+requests (``FinishedRequest`` fields) and ``Finding`` tuples and, every ``FLUSH_SECONDS`` (or
 ``BATCH`` messages, or when the engine goes idle), writes them as one pickled
 frame to the stdin of ``python -m otel_kvcache.exporter_process``. The pipe is
 non-blocking: if the helper falls behind by more than ``MAX_BUFFERED_BYTES``,
@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.export import Finding, FinishedRequest
+from otel_kvcache.export import Finding
 
 _logger = logging.getLogger(__name__)
 
@@ -67,35 +67,37 @@ class ExporterProcess:
         )
         self._fd = self.process.stdin.fileno()
         os.set_blocking(self._fd, False)
-        self._pending: list[tuple] = []
+        self._requests: list[tuple] = []  # FinishedRequest fields
+        self._findings: list[Finding] = []
         self._outgoing = bytearray()
         self._due = time.monotonic() + FLUSH_SECONDS
         self.dropped = 0
         atexit.register(self.close)
 
-    def request_ended(self, finished: FinishedRequest) -> None:
-        self._pending.append(finished)
-        if len(self._pending) >= BATCH:
+    def request_ended(self, fields: tuple) -> None:
+        self._requests.append(fields)
+        if len(self._requests) >= BATCH:
             self.flush()
 
     def finding(self, finding: Finding) -> None:
-        self._pending.append(finding)
+        self._findings.append(finding)
         self.flush()
 
     def flush_if_due(self) -> None:
         """Once per step: send what is pending if it waited ``FLUSH_SECONDS``."""
-        if self._pending or self._outgoing:
+        if self._requests or self._outgoing:
             now = time.monotonic()
             if now >= self._due:
                 self._due = now + FLUSH_SECONDS
                 self.flush()
 
     def flush(self) -> None:
-        if self._pending:
-            batch, self._pending = self._pending, []
+        if self._requests or self._findings:
+            batch = (self._requests, self._findings)
+            self._requests, self._findings = [], []
             frame = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             if len(self._outgoing) + len(frame) > MAX_BUFFERED_BYTES or self.process.stdin is None:
-                self._drop(len(batch))
+                self._drop(len(batch[0]) + len(batch[1]))
             else:
                 self._outgoing += _FRAME_HEADER.pack(len(frame))
                 self._outgoing += frame
@@ -166,15 +168,13 @@ def _frames(stream):
 
 def main() -> int:
     exporter = _configured_exporter()
-    for batch in _frames(sys.stdin.buffer):
-        for message in batch:
-            try:
-                if isinstance(message, FinishedRequest):
-                    exporter.request_ended(message)
-                elif isinstance(message, Finding):
-                    exporter.finding(message)
-            except Exception:  # noqa: BLE001 - one bad record must not stop the others
-                _logger.exception("otel-kvcache: could not export %s", type(message).__name__)
+    for requests, findings in _frames(sys.stdin.buffer):
+        for export, messages in ((exporter.request_ended, requests), (exporter.finding, findings)):
+            for message in messages:
+                try:
+                    export(message)
+                except Exception:  # noqa: BLE001 - one bad record must not stop the others
+                    _logger.exception("otel-kvcache: could not export a record")
     # The SDK's providers flush and shut down at exit.
     return 0
 

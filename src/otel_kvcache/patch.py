@@ -49,13 +49,11 @@ def _observing(hook: str, errors: InstrumentationErrors, after: After, before: B
             engine = getattr(self, ENGINE_ATTRIBUTE, None)
             if engine is None:
                 return original(self, *args, **kwargs)
-            state = None
-            if before is not None:
-                try:
-                    state = before(engine, self, args, kwargs)
-                except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
-                    errors.record(hook, exc)
-                    return original(self, *args, **kwargs)
+            try:
+                state = before(engine, self, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
+                errors.record(hook, exc)
+                return original(self, *args, **kwargs)
             result = original(self, *args, **kwargs)
             try:
                 after(engine, self, args, kwargs, result, state)
@@ -63,7 +61,17 @@ def _observing(hook: str, errors: InstrumentationErrors, after: After, before: B
                 errors.record(hook, exc)
             return result
 
-        return method
+        def method_after(self, *args, **kwargs):  # the same without ``before``
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    after(engine, self, args, kwargs, result, None)
+                except Exception as exc:  # noqa: BLE001
+                    errors.record(hook, exc)
+            return result
+
+        return method_after if before is None else method
 
     return build
 

@@ -108,23 +108,41 @@ class PoolTracker:
 
     def _evict(self, count: int) -> None:
         back, hit = self._back, self._hit
-        evicted, cached_at_sum, oldest = 0, 0.0, 0.0
-        for _ in range(min(count, len(back))):
+        count = min(count, len(back))
+        if not count:
+            return
+        if self._dead:
+            return self._evict_with_dead(count)
+        oldest = next(iter(back.values()))  # blocks joined the back part in the order they were cached
+        cached_at_sum = 0.0
+        for _ in range(count):
             block_id, cached_at = back.popitem(last=False)
             hit[block_id] = 0
-            if cached_at is None:  # evicted in place by a KV connector: counted then
+            cached_at_sum += cached_at
+        self._count_evictions(count, cached_at_sum, oldest)
+
+    def _evict_with_dead(self, count: int) -> None:
+        """``_evict`` where a KV connector evicted blocks in place (counted then)."""
+        back, hit = self._back, self._hit
+        evicted, cached_at_sum, oldest = 0, 0.0, None
+        for _ in range(count):
+            block_id, cached_at = back.popitem(last=False)
+            hit[block_id] = 0
+            if cached_at is None:
                 self._dead -= 1
                 continue
-            if not evicted:
-                oldest = cached_at  # blocks joined the back part in the order they were cached
+            oldest = cached_at if oldest is None else oldest
             cached_at_sum += cached_at
             evicted += 1
         if evicted:
-            now = time.monotonic()
-            self.eviction_age_sum += evicted * now - cached_at_sum
-            self.eviction_age_max = max(self.eviction_age_max, now - oldest)
-            self.evictions += evicted
-            self.cached -= evicted
+            self._count_evictions(evicted, cached_at_sum, oldest)
+
+    def _count_evictions(self, evicted: int, cached_at_sum: float, oldest: float) -> None:
+        now = time.monotonic()
+        self.eviction_age_sum += evicted * now - cached_at_sum
+        self.eviction_age_max = max(self.eviction_age_max, now - oldest)
+        self.evictions += evicted
+        self.cached -= evicted
 
     def before_freeing(self) -> Any:
         """Before ``free_blocks``: settles, and returns the queue's last block."""

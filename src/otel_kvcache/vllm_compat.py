@@ -113,8 +113,15 @@ def request_being_scheduled() -> Any | None:
     return None if frame is None else frame.f_locals.get("request")
 
 
+_reason_by_status: dict[Any, str] = {}
+
+
 def finish_reason(status: Any) -> str:
-    return FINISH_REASONS.get(getattr(status, "name", str(status)), "unknown")
+    """``RequestStatus`` is an ``IntEnum``: looked up by value, as its ``.name`` is slow."""
+    reason = _reason_by_status.get(status)
+    if reason is None:
+        reason = _reason_by_status[status] = FINISH_REASONS.get(getattr(status, "name", str(status)), "unknown")
+    return reason
 
 
 def engine_index(vllm_config: Any) -> int:

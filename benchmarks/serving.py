@@ -2,20 +2,22 @@
 
     python -m benchmarks.serving [--rounds N]
 
-Two servers of the same config run side by side — one under
-``opentelemetry-instrument`` exporting to a local OTLP receiver, one plain —
-and receive the same batch of concurrent completions in alternating order;
-each round's output tokens per second are compared pair by pair.
-
-On this project's 2-core machines the two servers disturb each other (an idle
-vLLM still takes CPU), so the spread is wide: a first run of 8 rounds gave
-instrumented / plain median 1.36, p25 0.92, p75 2.47 — no conclusion either way.
+Two servers of the same config — one under ``opentelemetry-instrument``
+exporting to a local OTLP receiver, one plain — receive the same batch of
+concurrent completions in alternating order; each round's output tokens per
+second are compared pair by pair. The server not being measured is frozen
+(SIGSTOP to its process group, SIGCONT after): on a 2-core machine an idle
+vLLM still takes CPU, and two live servers disturbed each other so much that a
+first version of this benchmark (both running) could conclude nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,6 +49,19 @@ async def batch_tokens_per_second(url: str, model: str, max_tokens: int) -> floa
     return sum(r.json()["usage"]["completion_tokens"] for r in responses) / elapsed
 
 
+@contextlib.contextmanager
+def _frozen(servers: list[VLLMServer]):
+    """Stops these servers' process groups (SIGSTOP) while another one is measured."""
+    for server in servers:
+        os.killpg(server.process.pid, signal.SIGSTOP)
+    time.sleep(0.5)  # let what was running settle
+    try:
+        yield
+    finally:
+        for server in servers:
+            os.killpg(server.process.pid, signal.SIGCONT)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving")
     parser.add_argument("--rounds", type=int, default=10)
@@ -70,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
             for name in order:
-                rates[name].append(asyncio.run(batch_tokens_per_second(servers[name].url, str(model), args.max_tokens)))
+                with _frozen([server for other, server in servers.items() if other != name]):
+                    rate = asyncio.run(batch_tokens_per_second(servers[name].url, str(model), args.max_tokens))
+                rates[name].append(rate)
     finally:
         for server in servers.values():
+            os.killpg(server.process.pid, signal.SIGCONT)
             server.stop(settle=0)
         sink.stop()
     ratios = sorted(i / p for i, p in zip(rates["instrumented"], rates["plain"]))

@@ -90,3 +90,42 @@ def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_ex
     assert point.sum == sum(engine.truth.peak_blocks[r.request_id] for r in requests)
     # The engine-side counters still come from this process.
     assert telemetry.total(names.PREEMPTIONS) == sum(r.num_preemptions for r in requests)
+
+
+def test_a_dead_helper_costs_its_spans_never_vllm(model_config, helper_exports_to):
+    from engine_harness import EngineHarness, make_scheduler
+
+    telemetry = Telemetry()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=telemetry.meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=64))
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        exporter.process.kill()
+        exporter.process.wait()
+        requests = [engine.add(engine.make_request(f"r{i}", prompt_len=40, max_tokens=8)) for i in range(4)]
+        engine.run()  # the writes to the dead helper fail inside otel-kvcache only
+    finally:
+        instrumentor.uninstrument()
+    assert all(r.num_output_tokens == 8 for r in requests)
+    assert exporter.dropped == len(requests)
+    [point] = telemetry.points(names.INSTRUMENTATION_ERRORS)
+    assert point.attributes[names.HOOK] == "exporter_process" and point.value >= 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "given_providers", "expected"),
+    [("", True, False), ("", False, False), ("on", True, True), ("off", False, False), ("sometimes", False, False)],
+)
+def test_where_spans_are_built(monkeypatch, caplog, setting, given_providers, expected):
+    import logging
+
+    from otel_kvcache import _exports_from_a_helper_process
+
+    monkeypatch.setenv("OTEL_KVCACHE_EXPORTER_PROCESS", setting)
+    # Not under opentelemetry-instrument here, so ``auto`` builds them in-process.
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        assert _exports_from_a_helper_process(given_providers) is expected
+    if setting == "sometimes":
+        [message] = [r.getMessage() for r in caplog.records]
+        assert "OTEL_KVCACHE_EXPORTER_PROCESS='sometimes'" in message and "using 'auto'" in message

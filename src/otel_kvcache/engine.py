@@ -139,7 +139,7 @@ class EngineTelemetry:
         return held
 
     def _event(self, record: RequestRecord, name: str, attributes: dict) -> None:
-        free = self.pool.pool.get_num_free_blocks()
+        free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
         attributes[names.POOL_FREE_BLOCKS] = free
         attributes[names.POOL_USED_BLOCKS] = self.pool.limit - free
         record.events.append((name, time.time_ns(), attributes))

@@ -70,6 +70,8 @@ class ExporterProcess:
         self._requests: list[tuple] = []  # FinishedRequest fields
         self._findings: list[Finding] = []
         self._outgoing = bytearray()
+        self._outgoing_records = 0  # in ``_outgoing``, not yet all written
+        self._helper_gone = False
         self._due = time.monotonic() + FLUSH_SECONDS
         self.dropped = 0
         atexit.register(self.close)
@@ -95,22 +97,31 @@ class ExporterProcess:
         if self._requests or self._findings:
             batch = (self._requests, self._findings)
             self._requests, self._findings = [], []
-            frame = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-            if len(self._outgoing) + len(frame) > MAX_BUFFERED_BYTES or self.process.stdin is None:
-                self._drop(len(batch[0]) + len(batch[1]))
+            records = len(batch[0]) + len(batch[1])
+            if self._helper_gone:
+                self._drop(records)
             else:
-                self._outgoing += _FRAME_HEADER.pack(len(frame))
-                self._outgoing += frame
+                frame = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+                if len(self._outgoing) + len(frame) > MAX_BUFFERED_BYTES:
+                    self._drop(records)
+                else:
+                    self._outgoing += _FRAME_HEADER.pack(len(frame))
+                    self._outgoing += frame
+                    self._outgoing_records += records
         if self._outgoing:
             try:
                 written = os.write(self._fd, self._outgoing)
             except BlockingIOError:
                 return
             except OSError:  # the helper exited
+                self._helper_gone = True
                 self._outgoing.clear()
-                self._drop(0)
+                self._drop(self._outgoing_records)
+                self._outgoing_records = 0
                 return
             del self._outgoing[:written]
+            if not self._outgoing:
+                self._outgoing_records = 0
 
     def _drop(self, count: int) -> None:
         self.dropped += count
@@ -119,7 +130,7 @@ class ExporterProcess:
     def close(self, timeout: float = 10.0) -> None:
         """At exit: hand over everything pending, then let the helper export and exit."""
         stdin = self.process.stdin
-        if stdin is None or stdin.closed:
+        if stdin is None or stdin.closed or self._helper_gone:
             return
         try:
             self.flush()

@@ -1,9 +1,10 @@
 """A helper process that builds the engine's spans, so the engine thread doesn't.
 
 ``ExporterProcess`` lives in the EngineCore process: it queues finished
-requests (``FinishedRequest`` fields) and ``Finding`` tuples and, every ``FLUSH_SECONDS`` (or
-``BATCH`` messages, or when the engine goes idle), writes them as one pickled
-frame to the stdin of ``python -m otel_kvcache.exporter_process``. The pipe is
+requests (``FinishedRequest`` fields) and ``Finding`` tuples and, every
+``FLUSH_SECONDS`` (or ``BATCH`` requests, or when the engine goes idle), writes
+them as one pickled frame to the stdin of ``python -m
+otel_kvcache.exporter_process``. The pipe is
 non-blocking: if the helper falls behind by more than ``MAX_BUFFERED_BYTES``,
 batches are dropped and counted, never waited for.
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import Finding
+from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
 
 _logger = logging.getLogger(__name__)
 
@@ -50,8 +52,6 @@ class ExporterProcess:
     def __init__(self, handed_down: dict[str, Any], errors: InstrumentationErrors) -> None:
         self.errors = errors
         environment = dict(os.environ)
-        from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
-
         environment[PROCESS_ENVIRONMENT_VARIABLE] = json.dumps(handed_down)
         # The helper runs our exporter only: it must not instrument itself.
         disabled = environment.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
@@ -135,9 +135,8 @@ class ExporterProcess:
         try:
             self.flush()
             os.set_blocking(self._fd, True)
-            if self._outgoing:
-                os.write(self._fd, self._outgoing)
-                self._outgoing.clear()
+            while self._outgoing:
+                del self._outgoing[: os.write(self._fd, self._outgoing)]
             stdin.close()
             self.process.wait(timeout)
         except (OSError, subprocess.TimeoutExpired) as exc:

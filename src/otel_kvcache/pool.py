@@ -24,10 +24,9 @@ with it, the cached count can drift until the next prefix-cache reset.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
-from itertools import compress, repeat
-from operator import attrgetter, not_
+from itertools import repeat
 from typing import Any, NamedTuple
 
 
@@ -44,9 +43,6 @@ class PoolSnapshot(NamedTuple):
         return self.used / self.limit if self.limit else 0.0
 
 
-_REF_CNT = attrgetter("ref_cnt")
-_BLOCK_ID = attrgetter("block_id")
-_IS_NULL = attrgetter("is_null")
 
 
 def _is_cached_free(block: Any) -> bool:
@@ -174,17 +170,18 @@ class PoolTracker:
     def on_touching(self, blocks: list[Any]) -> None:
         """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free)."""
         self.settle()
-        # Hits are hashed blocks; null ones stand in for skipped blocks.
-        hits = list(compress(blocks, map(not_, map(_IS_NULL, blocks))))
-        deque(map(self._hit.__setitem__, map(_BLOCK_ID, hits), repeat(1)), maxlen=0)
-        back, taken = self._back, 0
-        for block in compress(hits, map(not_, map(_REF_CNT, hits))):  # free: in the back part
-            taken += 1
-            cached_at = back.pop(block.block_id, False)
-            if cached_at is None:
-                self._dead -= 1
-            elif cached_at:
-                self.cached -= 1
+        hit, back, taken = self._hit, self._back, 0
+        for block in blocks:
+            if block.is_null:  # hits are hashed blocks; null ones stand in for skipped blocks
+                continue
+            hit[block.block_id] = 1
+            if block.ref_cnt == 0:  # free: in the back part
+                taken += 1
+                cached_at = back.pop(block.block_id, False)
+                if cached_at is None:
+                    self._dead -= 1
+                elif cached_at:
+                    self.cached -= 1
         self._free_seen -= taken
 
     def before_evicting(self, block_ids: Iterable[int]) -> None:

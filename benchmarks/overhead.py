@@ -286,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     _print_anchors(results["anchors"])
 
     context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
+    with context.Pool(1) as pool:  # a process each: each instruments its own way
         results["bytes_per_request"] = pool.apply(memory_per_request, (workloads()[0],))
+    with context.Pool(1) as pool:
         results["pool_metric_cost"] = pool.apply(pool_metric_cost)
     print(f"\nmemory held per in-flight request (decode-heavy): {results['bytes_per_request']:.0f} B")
     print("pool work by pool size:")

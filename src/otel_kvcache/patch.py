@@ -41,8 +41,8 @@ After = Callable[[EngineTelemetry, Any, tuple, dict, Any, Any], None]
 
 
 def _observing(hook: str, errors: InstrumentationErrors, after: After, before: Before | None = None) -> MethodBuilder:
-    """The scheduler's hooks: ``before`` and ``after`` get the engine, vLLM's
-    object and its arguments; ``after`` also the result and what ``before`` returned."""
+    """Most hooks: ``before`` and ``after`` get the engine, vLLM's object and its
+    arguments; ``after`` also the result and what ``before`` returned."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -77,8 +77,8 @@ def _observing(hook: str, errors: InstrumentationErrors, after: After, before: B
 
 
 def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> MethodBuilder:
-    """The block pool's hooks, the hottest: ``before`` names a ``PoolTracker``
-    method that takes vLLM's own arguments and does all its accounting."""
+    """Block-pool hooks with nothing to do after vLLM's call: ``before`` names a
+    ``PoolTracker`` method that takes vLLM's own arguments; no frame in between."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -89,31 +89,6 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> Met
                 except Exception as exc:  # noqa: BLE001
                     errors.record(hook, exc)
             return original(self, *args, **kwargs)
-
-        return method
-
-    return build
-
-
-def _free_blocks(hook: str, errors: InstrumentationErrors) -> MethodBuilder:
-    """``free_blocks``: the tracker reads what it appended to the free queue."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is None:
-                return original(self, *args, **kwargs)
-            try:
-                last_before = engine.pool.before_freeing()
-            except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
-                return original(self, *args, **kwargs)
-            result = original(self, *args, **kwargs)
-            try:
-                engine.pool.on_freed(last_before)
-            except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
-            return result
 
         return method
 
@@ -180,6 +155,14 @@ def _step_end(engine, scheduler, args, kwargs, result, state):
     engine.on_step_end()
 
 
+def _before_freeing(engine, pool, args, kwargs):
+    return engine.pool.before_freeing()
+
+
+def _freed(engine, pool, args, kwargs, result, last_before):
+    engine.pool.on_freed(last_before)
+
+
 def _prefix_cache_reset(engine, pool, args, kwargs, succeeded, state):
     if succeeded:
         engine.pool.on_reset()
@@ -203,7 +186,7 @@ def build_wrappers(
         "admission_attempt": observing(_admission_attempted),
         "prefix_lookup": observing(_prefix_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
-        "free_blocks": lambda hook: _free_blocks(hook, errors),
+        "free_blocks": observing(_freed, _before_freeing),
         "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
         "reset_prefix_cache": observing(_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),

@@ -47,13 +47,12 @@ VARIANTS = {
 # --- the worker processes ------------------------------------------------------------
 
 
-def _instrument(in_process: bool = False, export_interval_millis: int = 5_000):
+def _instrument(export_interval_millis: int = 5_000):
     """As under ``opentelemetry-instrument``: spans and request histograms built by
     the helper process, whose SDK comes from the environment (batch span
     processor and periodic metric reader into console exporters, whose output the
     helper discards); the engine process keeps the observable instruments, read
-    by a periodic reader into an exporter that discards. ``in_process``: the
-    spans too are built here, by the SDK given to ``instrument()``."""
+    by a periodic reader into an exporter that discards."""
     import os
 
     from opentelemetry.sdk.metrics import MeterProvider
@@ -62,14 +61,8 @@ def _instrument(in_process: bool = False, export_interval_millis: int = 5_000):
         MetricExportResult,
         PeriodicExportingMetricReader,
     )
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
     from otel_kvcache import VLLMKVCacheInstrumentor
-
-    class DiscardSpans(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
 
     class DiscardMetrics(MetricExporter):
         def __init__(self):
@@ -86,19 +79,14 @@ def _instrument(in_process: bool = False, export_interval_millis: int = 5_000):
 
     reader = PeriodicExportingMetricReader(DiscardMetrics(), export_interval_millis=export_interval_millis)
     meter_provider = MeterProvider(metric_readers=[reader])
-    if in_process:
-        tracer_provider = TracerProvider()
-        tracer_provider.add_span_processor(BatchSpanProcessor(DiscardSpans()))
-        VLLMKVCacheInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
-    else:
-        os.environ.update(
-            OTEL_KVCACHE_EXPORTER_PROCESS="on",
-            OTEL_TRACES_EXPORTER="console",
-            OTEL_METRICS_EXPORTER="console",
-            OTEL_LOGS_EXPORTER="none",
-            OTEL_METRIC_EXPORT_INTERVAL=str(export_interval_millis),
-        )
-        VLLMKVCacheInstrumentor().instrument(meter_provider=meter_provider)
+    os.environ.update(
+        OTEL_KVCACHE_EXPORTER_PROCESS="on",
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="console",
+        OTEL_LOGS_EXPORTER="none",
+        OTEL_METRIC_EXPORT_INTERVAL=str(export_interval_millis),
+    )
+    VLLMKVCacheInstrumentor().instrument(meter_provider=meter_provider)
     return meter_provider
 
 
@@ -119,7 +107,7 @@ def _worker(connection: Connection, variant: dict) -> None:
     from vllm.utils.gc_utils import freeze_gc_heap
 
     if variant.get("instrumented"):
-        _instrument(variant.get("in_process", False))
+        _instrument()
     driver = None
     while True:
         command, argument = connection.recv()

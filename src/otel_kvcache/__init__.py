@@ -35,11 +35,10 @@ All names are in ``otel_kvcache.names``.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import Any
-
 import os
 import sys
+from collections.abc import Collection
+from typing import Any
 
 from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor

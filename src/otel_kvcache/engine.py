@@ -31,7 +31,13 @@ from otel_kvcache.export import RequestExporter
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolTracker
-from otel_kvcache.vllm_compat import engine_index, may_hold_null_blocks, finish_reason, is_waiting_for_blocks, kv_bytes_per_block
+from otel_kvcache.vllm_compat import (
+    engine_index,
+    finish_reason,
+    is_waiting_for_blocks,
+    kv_bytes_per_block,
+    may_hold_null_blocks,
+)
 
 # Requests that leave the scheduler without passing a release hook (a path a
 # future vLLM adds, say) are swept this often, so our state stays bounded.
@@ -102,7 +108,6 @@ class EngineTelemetry:
     ) -> None:
         manager = scheduler.kv_cache_manager
         self.exporter = exporter
-        self.instruments = instruments
         self.errors = errors
         self.block_size: int = scheduler.block_size
         self.attributes = {names.ENGINE_INDEX: engine_index(scheduler.vllm_config)}
@@ -132,10 +137,10 @@ class EngineTelemetry:
     def held_blocks(self, request_id: str) -> int:
         """Blocks the KV manager holds for a request now, across all groups."""
         held = 0
-        for manager, may_hold_null_blocks in self._type_managers:
+        for manager, with_null_blocks in self._type_managers:
             blocks = manager.req_to_blocks.get(request_id)
             if blocks:
-                held += len(blocks) - sum(map(_IS_NULL, blocks)) if may_hold_null_blocks else len(blocks)
+                held += len(blocks) - sum(map(_IS_NULL, blocks)) if with_null_blocks else len(blocks)
         return held
 
     def _event(self, record: RequestRecord, name: str, attributes: dict) -> None:
@@ -251,8 +256,7 @@ class EngineTelemetry:
                 )
         if not self._scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): publish and look now.
-            self.pool.settle()
-            self.snapshot = self.pool.snapshot()
+            self._publish_pool()
             self.reconciler.run()
             self.exporter.flush()
 
@@ -261,12 +265,16 @@ class EngineTelemetry:
     def on_step_end(self) -> None:
         """Once per engine step: publish the pool snapshot for the gauges."""
         self.step += 1
-        self.pool.settle()
-        self.snapshot = self.pool.snapshot()
+        self._publish_pool()
         self.reconciler.maybe_run()
         self.exporter.flush_if_due()
         if self.step % SWEEP_EVERY_STEPS == 0:
             self._sweep()
+
+    def _publish_pool(self) -> None:
+        """What vLLM popped off the free queue since the last look, then the gauges' snapshot."""
+        self.pool.settle()
+        self.snapshot = self.pool.snapshot()
 
     def _sweep(self) -> None:
         live = self._scheduler_requests

@@ -21,20 +21,18 @@ reference, deferred frees) are never findings.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from otel_kvcache import names
-from otel_kvcache.export import Finding
 from otel_kvcache.config import RECONCILE_SECONDS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
+from otel_kvcache.export import Finding, log_in_trace
 
 if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
 
-_logger = logging.getLogger("otel_kvcache.findings")
 
 
 @dataclass
@@ -127,7 +125,8 @@ class Reconciler:
         )
         if orphaned and ("orphaned", "") not in self._reported:
             self._reported.add(("orphaned", ""))
-            _logger.warning(
+            log_in_trace(
+                None,
                 "otel-kvcache: %d KV blocks on engine %s are referenced by no live request",
                 orphaned,
                 engine.attributes[names.ENGINE_INDEX],
@@ -163,6 +162,6 @@ class Reconciler:
         record = engine.requests.get(request_id)
         if record is not None:  # on the span to come
             record.events.append((event, time.time_ns(), attributes))
-            _logger.warning("otel-kvcache: request %s %s", request_id, detail)
+            log_in_trace(None, "otel-kvcache: request %s %s", request_id, detail)
         else:  # in the ended span's trace, wherever the span was built
             engine.exporter.finding(Finding(request_id, event, attributes, detail))

@@ -27,7 +27,7 @@ from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
 from otel_kvcache.resource import name_child_process_wrapper
-from otel_kvcache.vllm_compat import request_being_scheduled
+from otel_kvcache.vllm_compat import first_argument, request_being_scheduled
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each instrumented Scheduler, its KVCacheManager and its BlockPool."""
@@ -113,9 +113,8 @@ def scheduler_init_wrapper(
     return wrapper
 
 
-# vLLM passes the request first (``request``): taken inline, a call less per hook.
 def _request_added(engine, scheduler, args, kwargs, result, state):
-    engine.on_request_added(args[0] if args else kwargs["request"])
+    engine.on_request_added(first_argument(args, kwargs, "request"))
 
 
 def _scheduled(engine, scheduler, args, kwargs, output, state):
@@ -123,11 +122,11 @@ def _scheduled(engine, scheduler, args, kwargs, output, state):
 
 
 def _admission_attempted(engine, scheduler, args, kwargs, result, state):
-    engine.on_admission_attempt(args[0] if args else kwargs["request"])
+    engine.on_admission_attempt(first_argument(args, kwargs, "request"))
 
 
 def _prefix_lookup(engine, manager, args, kwargs, result, state):
-    request = args[0] if args else kwargs["request"]
+    request = first_argument(args, kwargs, "request")
     num_hits = args[1] if len(args) > 1 else kwargs["num_hits"]
     engine.on_prefix_cache_lookup(request, num_hits, counted=manager.prefix_cache_lookup_enabled(request))
 
@@ -136,19 +135,19 @@ def _before_preempt(engine, scheduler, args, kwargs):
     stalled = request_being_scheduled()
     if stalled is not None:
         engine.on_stall(stalled)
-    return engine.before_preempt(args[0] if args else kwargs["request"])
+    return engine.before_preempt(first_argument(args, kwargs, "request"))
 
 
 def _preempted(engine, scheduler, args, kwargs, result, held_and_computed):
-    engine.on_preempted(args[0] if args else kwargs["request"], held_and_computed)
+    engine.on_preempted(first_argument(args, kwargs, "request"), held_and_computed)
 
 
 def _before_release(engine, scheduler, args, kwargs):
-    return engine.before_release(args[0] if args else kwargs["request"])
+    return engine.before_release(first_argument(args, kwargs, "request"))
 
 
 def _released(engine, scheduler, args, kwargs, result, freed):
-    engine.on_released(args[0] if args else kwargs["request"], freed)
+    engine.on_released(first_argument(args, kwargs, "request"), freed)
 
 
 def _step_end(engine, scheduler, args, kwargs, result, state):

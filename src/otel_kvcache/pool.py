@@ -43,8 +43,6 @@ class PoolSnapshot(NamedTuple):
         return self.used / self.limit if self.limit else 0.0
 
 
-
-
 def _is_cached_free(block: Any) -> bool:
     return block.ref_cnt == 0 and not block.is_null and block.block_hash is not None
 
@@ -60,7 +58,7 @@ class PoolTracker:
         "evictions",
         "eviction_age_sum",
         "eviction_age_max",
-        "_free_seen",
+        "_free_seen",  # free blocks at the last settle, for the snapshot
         "_back",
         "_dead",
         "_hit",
@@ -95,12 +93,11 @@ class PoolTracker:
     def settle(self) -> None:
         """Blocks that left the free queue since the last look were popped from its
         head; those past the front (hashless) part were evicted from the prefix cache."""
-        free = self.queue.num_free_blocks
-        front = self._free_seen - len(self._back)  # hashless blocks at the head when we last looked
-        from_back = self._free_seen - free - front
-        self._free_seen = free
-        if from_back > 0:
-            self._evict(from_back)
+        free = self._free_seen = self.queue.num_free_blocks
+        # The back part is free blocks: whatever it holds beyond them was popped.
+        popped_from_back = len(self._back) - free
+        if popped_from_back > 0:
+            self._evict(popped_from_back)
 
     def _evict(self, count: int) -> None:
         back, hit = self._back, self._hit
@@ -165,24 +162,21 @@ class PoolTracker:
             appended.reverse()
             self._back.update(zip(appended, repeat(time.monotonic())))
             self.cached += len(appended)
-        self._free_seen = self.queue.num_free_blocks
 
     def on_touching(self, blocks: list[Any]) -> None:
         """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free)."""
         self.settle()
-        hit, back, taken = self._hit, self._back, 0
+        hit, back = self._hit, self._back
         for block in blocks:
             if block.is_null:  # hits are hashed blocks; null ones stand in for skipped blocks
                 continue
             hit[block.block_id] = 1
             if block.ref_cnt == 0:  # free: in the back part
-                taken += 1
                 cached_at = back.pop(block.block_id, False)
                 if cached_at is None:
                     self._dead -= 1
                 elif cached_at:
                     self.cached -= 1
-        self._free_seen -= taken
 
     def before_evicting(self, block_ids: Iterable[int]) -> None:
         """Before ``evict_blocks`` (a KV connector's): free cached blocks among them

@@ -124,6 +124,10 @@ def test_prefix_hits_match_vllms_own_counter(server, sink):
 
 
 def test_a_disconnecting_stream_ends_as_abort_and_frees_its_blocks(server, sink):
+    # A disconnect only aborts what is still running: on a busy machine the engine can
+    # finish all 1000 tokens (under 2 s here) before the API server hears of it. vLLM
+    # counts a request in vllm:request_success_total only when it ends on its own, so
+    # that counter says which of the two happened; try again until one is aborted.
     async def disconnect():
         client = LoadClient(server.url, str(server.config.model))
         try:
@@ -131,13 +135,23 @@ def test_a_disconnecting_stream_ends_as_abort_and_frees_its_blocks(server, sink)
         finally:
             await client.close()
 
-    sent = asyncio.run(disconnect())
-    assert sent.disconnected
-    [(_, span)] = wait_for(lambda: kv_spans(sink, [sent.trace_id]))
-    attrs = span_attributes(span)
-    assert attrs[names.FINISH_REASON] == "abort"
-    assert attrs[names.BLOCKS_FREED] == attrs[names.BLOCKS_PEAK] > 0
-    assert attrs[names.OUTPUT_TOKENS] < 1000
+    aborted = []
+    for _ in range(3):
+        before = prometheus_value(server.metrics_text(), "vllm:request_success_total")
+        sent = asyncio.run(disconnect())
+        assert sent.disconnected
+        [(_, span)] = wait_for(lambda: kv_spans(sink, [sent.trace_id]))
+        attrs = span_attributes(span)
+        ended_on_its_own = prometheus_value(server.metrics_text(), "vllm:request_success_total") - before
+        if ended_on_its_own:
+            assert attrs[names.FINISH_REASON] == "length"
+            continue
+        assert attrs[names.FINISH_REASON] == "abort"
+        assert attrs[names.BLOCKS_FREED] == attrs[names.BLOCKS_PEAK] > 0
+        assert attrs[names.OUTPUT_TOKENS] < 1000
+        aborted.append(sent)
+        break
+    assert aborted, "no disconnect reached vLLM before its request finished"
     # The pool's used blocks return to zero once nothing runs.
     wait_for(lambda: latest_used_blocks(sink) == 0 or None)
 

@@ -112,3 +112,23 @@ def test_an_abort_while_the_engine_idles_shows_in_the_gauges(engine, telemetry):
     engine.abort("lonely")  # the client went away; vLLM's engine loop has nothing left to step
     assert telemetry.blocks_by_state() == engine.pool_scan()
     assert telemetry.blocks_by_state()["used"] == 0
+
+
+def test_a_kv_connector_evicting_free_cached_blocks_is_counted_once(make_engine, telemetry):
+    """A KV connector drops the prefixes of blocks by id (``BlockPool.evict_blocks``):
+    free ones keep their place in the queue, hashless, until the head reaches them.
+    (While the head is inside a run holding such entries the cached count may be
+    off by those; it is exact again once the run is popped, as checked here.)"""
+    engine = make_engine(num_blocks=NUM_BLOCKS)
+    for i in range(3):
+        engine.add(engine.make_request(f"first-{i}", prompt_len=48, max_tokens=8))
+    engine.run()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    cached = [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None]
+    assert len(cached) >= 6
+    pool.evict_blocks(set(cached[1::2]))  # every other one: dead entries between live ones
+    for i in range(4):  # enough to pop the whole queue, dead entries included
+        engine.add(engine.make_request(f"second-{i}", prompt_len=64, max_tokens=24))
+    engine.run()
+    assert telemetry.blocks_by_state() == engine.pool_scan()
+    assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes > len(cached[1::2])

@@ -10,12 +10,18 @@ mirrors the free queue's order instead.
 vLLM's free queue is always [blocks without a hash][blocks with one, least
 recently freed first]: ``free_blocks`` prepends the former and appends the
 latter, ``get_new_blocks`` pops from the head, ``touch`` takes prefix hits out
-of the back. The tracker keeps the back part as an ordered map of block ids,
-fed by ``free_blocks`` and ``touch`` (per request, not per step). Whatever
-left the free queue since the tracker last looked was popped from the head
-(``settle``, at each of those calls and at the end of each step): the pops
-beyond the front part evicted the back part's first blocks, which gives the
-evictions and their ages exactly, at O(evictions).
+of the back. The tracker keeps the back part as runs, one per ``free_blocks``
+call (blocks cached at the same instant, in queue order), and which run each
+block is in. Whatever left the free queue since the tracker last looked was
+popped from the head (``settle``, at each of those calls and at the end of each
+step): the pops beyond the front part evicted the back part's first blocks,
+which gives the evictions and their ages exactly, at O(runs) rather than
+O(blocks).
+
+A KV connector's ``evict_blocks`` drops the hash of free blocks in place:
+they stay queued as dead entries of their run. Where the head pops part of a
+run holding such entries, the dead ones are taken to go first (their places
+are not kept); the counts are exact again once the run is gone.
 
 Not mirrored: ``unpin_blocks`` (hisparse) appends to the queue without a hook;
 with it, the cached count can drift until the next prefix-cache reset.
@@ -24,10 +30,16 @@ with it, the cached count can drift until the next prefix-cache reset.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from array import array
+from collections import deque
 from collections.abc import Iterable
-from itertools import repeat
 from typing import Any, NamedTuple
+
+# A run: [queued, live, cached_at]: entries still in vLLM's free queue, those
+# of them still cached (the rest are dead), and when they were freed.
+QUEUED, LIVE, CACHED_AT = 0, 1, 2
+# Runs emptied by prefix hits are dropped when they outnumber this and the rest.
+COMPACT_ABOVE = 64
 
 
 class PoolSnapshot(NamedTuple):
@@ -59,8 +71,10 @@ class PoolTracker:
         "eviction_age_sum",
         "eviction_age_max",
         "_free_seen",  # free blocks at the last settle, for the snapshot
-        "_back",
-        "_dead",
+        "_runs",
+        "_run_of",
+        "_queued",  # entries of the back part in vLLM's queue, dead ones included
+        "_empty_runs",
         "_hit",
     )
 
@@ -73,19 +87,21 @@ class PoolTracker:
         self.evictions = 0
         self.eviction_age_sum = 0.0
         self.eviction_age_max = 0.0
-        self._hit = bytearray(pool.num_gpu_blocks)  # reused by a prefix hit since it was cached
+        # Block id -> hash of the block's prefix when a prefix hit last reused it:
+        # a block evicted and cached again holds another hash, so no reset is needed.
+        self._hit = array("q", bytes(8 * pool.num_gpu_blocks))
         self._rebuild()
 
     def _rebuild(self) -> None:
         """The back part from a walk of the free queue (at start, and after a prefix-cache reset)."""
-        now = time.monotonic()
-        # Block id -> when it was cached (None once a KV connector evicted it in place),
-        # in queue order: the next to be evicted first.
-        self._back: OrderedDict[int, float | None] = OrderedDict(
-            (block.block_id, now) for block in self.queue.get_all_free_blocks() if block.block_hash is not None
-        )
-        self.cached = len(self._back)
-        self._dead = 0
+        cached = [block.block_id for block in self.queue.get_all_free_blocks() if block.block_hash is not None]
+        run = [len(cached), len(cached), time.monotonic()]
+        self._runs: deque[list] = deque([run] if cached else ())
+        self._run_of: list[list | None] = [None] * self.pool.num_gpu_blocks
+        for block_id in cached:
+            self._run_of[block_id] = run
+        self.cached = self._queued = len(cached)
+        self._empty_runs = 0
         self._free_seen = self.queue.num_free_blocks
 
     # --- what vLLM did -------------------------------------------------------------
@@ -95,47 +111,41 @@ class PoolTracker:
         head; those past the front (hashless) part were evicted from the prefix cache."""
         free = self._free_seen = self.queue.num_free_blocks
         # The back part is free blocks: whatever it holds beyond them was popped.
-        popped_from_back = len(self._back) - free
+        popped_from_back = self._queued - free
         if popped_from_back > 0:
-            self._evict(popped_from_back)
+            self._pop(popped_from_back)
 
-    def _evict(self, count: int) -> None:
-        back, hit = self._back, self._hit
-        count = min(count, len(back))
-        if not count:
-            return
-        if self._dead:
-            return self._evict_with_dead(count)
-        oldest = next(iter(back.values()))  # blocks joined the back part in the order they were cached
-        cached_at_sum = 0.0
-        for _ in range(count):
-            block_id, cached_at = back.popitem(last=False)
-            hit[block_id] = 0
-            cached_at_sum += cached_at
-        self._count_evictions(count, cached_at_sum, oldest)
-
-    def _evict_with_dead(self, count: int) -> None:
-        """``_evict`` where a KV connector evicted blocks in place (counted then)."""
-        back, hit = self._back, self._hit
-        evicted, cached_at_sum, oldest = 0, 0.0, None
-        for _ in range(count):
-            block_id, cached_at = back.popitem(last=False)
-            hit[block_id] = 0
-            if cached_at is None:
-                self._dead -= 1
-                continue
-            oldest = cached_at if oldest is None else oldest
-            cached_at_sum += cached_at
-            evicted += 1
+    def _pop(self, count: int) -> None:
+        """``count`` entries left the back part's head: whole runs, then part of one."""
+        runs, now = self._runs, time.monotonic()
+        self._queued -= count
+        evicted, age_sum, oldest = 0, 0.0, None
+        while count and runs:
+            run = runs[0]
+            queued, live, cached_at = run
+            if queued <= count:
+                runs.popleft()
+                if not queued:
+                    self._empty_runs -= 1
+                taken = live
+                run[QUEUED] = run[LIVE] = 0
+                count -= queued
+            else:
+                dead_taken = min(queued - live, count)
+                taken = count - dead_taken
+                run[QUEUED] -= count
+                run[LIVE] -= taken
+                count = 0
+            if taken:
+                evicted += taken
+                age_sum += taken * (now - cached_at)
+                if oldest is None:
+                    oldest = cached_at
         if evicted:
-            self._count_evictions(evicted, cached_at_sum, oldest)
-
-    def _count_evictions(self, evicted: int, cached_at_sum: float, oldest: float) -> None:
-        now = time.monotonic()
-        self.eviction_age_sum += evicted * now - cached_at_sum
-        self.eviction_age_max = max(self.eviction_age_max, now - oldest)
-        self.evictions += evicted
-        self.cached -= evicted
+            self.eviction_age_sum += age_sum
+            self.eviction_age_max = max(self.eviction_age_max, now - oldest)
+            self.evictions += evicted
+            self.cached -= evicted
 
     def before_freeing(self) -> Any:
         """Before ``free_blocks``: settles, and returns the queue's last block."""
@@ -147,56 +157,71 @@ class PoolTracker:
         ones whose last reference went and that kept a hash, in the order vLLM
         will evict them. (The hashless ones went to the head, other pools' blocks
         to their own queues.)"""
+        run = [0, 0, time.monotonic()]
+        run_of = self._run_of
         block = self.queue.fake_free_list_tail.prev_free_block
-        appended = []
+        appended = 0
         if last_before is self.queue.fake_free_list_head:
             # The queue was empty: the hashless blocks vLLM prepended come first.
             while block is not last_before and block.block_hash is not None:
-                appended.append(block.block_id)
+                run_of[block.block_id] = run
+                appended += 1
                 block = block.prev_free_block
         else:
             while block is not last_before:
-                appended.append(block.block_id)
+                run_of[block.block_id] = run
+                appended += 1
                 block = block.prev_free_block
         if appended:
-            appended.reverse()
-            self._back.update(zip(appended, repeat(time.monotonic())))
-            self.cached += len(appended)
+            run[QUEUED] = run[LIVE] = appended
+            self._runs.append(run)
+            self._queued += appended
+            self.cached += appended
 
     def on_touching(self, blocks: list[Any]) -> None:
         """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free)."""
         self.settle()
-        hit, back = self._hit, self._back
+        hit, run_of = self._hit, self._run_of
         for block in blocks:
             if block.is_null:  # hits are hashed blocks; null ones stand in for skipped blocks
                 continue
-            hit[block.block_id] = 1
+            hit[block.block_id] = hash(block.block_hash)
             if block.ref_cnt == 0:  # free: in the back part
-                cached_at = back.pop(block.block_id, False)
-                if cached_at is None:
-                    self._dead -= 1
-                elif cached_at:
+                run = run_of[block.block_id]
+                if run is not None and run[LIVE]:
+                    run_of[block.block_id] = None
+                    run[LIVE] -= 1
+                    run[QUEUED] -= 1
+                    self._queued -= 1
                     self.cached -= 1
+                    if not run[QUEUED]:
+                        self._run_emptied()
+
+    def _run_emptied(self) -> None:
+        """Prefix hits emptied a run inside the queue: drop such runs now and then."""
+        self._empty_runs += 1
+        if self._empty_runs > COMPACT_ABOVE and 2 * self._empty_runs > len(self._runs):
+            self._runs = deque(run for run in self._runs if run[QUEUED])
+            self._empty_runs = 0
 
     def before_evicting(self, block_ids: Iterable[int]) -> None:
         """Before ``evict_blocks`` (a KV connector's): free cached blocks among them
         lose their prefix but keep their place in the queue."""
         self.settle()
-        back, now = self._back, time.monotonic()
+        blocks, run_of, now = self.pool.blocks, self._run_of, time.monotonic()
         for block_id in block_ids:
-            cached_at = back.get(block_id)
-            if cached_at is not None:
-                back[block_id] = None
-                self._dead += 1
-                self._hit[block_id] = 0
-                self.eviction_age_sum += now - cached_at
-                self.eviction_age_max = max(self.eviction_age_max, now - cached_at)
+            run = run_of[block_id]
+            if run is not None and run[LIVE] and _is_cached_free(blocks[block_id]):
+                run_of[block_id] = None
+                run[LIVE] -= 1
+                age = now - run[CACHED_AT]
+                self.eviction_age_sum += age
+                self.eviction_age_max = max(self.eviction_age_max, age)
                 self.evictions += 1
                 self.cached -= 1
 
     def on_reset(self) -> None:
         """After a successful ``reset_prefix_cache``: no block holds a prefix."""
-        self._hit = bytearray(len(self._hit))
         self._rebuild()
 
     # --- readings ------------------------------------------------------------------
@@ -209,7 +234,9 @@ class PoolTracker:
     def cached_blocks_hit_again(self) -> int:
         """Evictable cached blocks a prefix hit has reused (a scan: reconciliation only)."""
         hit = self._hit
-        return sum(1 for block in self.pool.blocks if hit[block.block_id] and _is_cached_free(block))
+        return sum(
+            1 for block in self.pool.blocks if _is_cached_free(block) and hit[block.block_id] == hash(block.block_hash)
+        )
 
     def used_blocks(self) -> int:
         return self.limit - self.pool.get_num_free_blocks()

@@ -8,7 +8,8 @@ thread, so it is written for the scheduler's hot loop:
   is admitted, preempted or released, and a step costs a handful of attribute
   reads;
 - counters are plain integers, read by observable counters on the metric
-  reader's thread; the gauges read ``snapshot``, replaced whole once per step;
+  reader's thread; the gauges read ``snapshot``, made from the pool's counts
+  that each step publishes as one tuple;
 - a live request costs a small record (counts, events with their
   timestamps), not an SDK span. At release the record is packed into a
   ``FinishedRequest`` for the exporter (``export.py``), which builds the span,
@@ -30,7 +31,7 @@ from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import RequestExporter
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.leaks import Reconciler
-from otel_kvcache.pool import PoolTracker
+from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
 from otel_kvcache.vllm_compat import (
     engine_index,
     finish_reason,
@@ -115,7 +116,7 @@ class EngineTelemetry:
         self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
         self.requests: dict[str, RequestRecord] = {}
         self.step = 0
-        self.snapshot = self.pool.snapshot()
+        self.pool_counts = (self.pool.free_seen, self.pool.cached)
         # Cumulative counters, exported by observable counters.
         self.preemptions = 0
         self.prefix_cache_queries = 0
@@ -272,9 +273,15 @@ class EngineTelemetry:
             self._sweep()
 
     def _publish_pool(self) -> None:
-        """What vLLM popped off the free queue since the last look, then the gauges' snapshot."""
-        self.pool.settle()
-        self.snapshot = self.pool.snapshot()
+        """What vLLM popped off the free queue since the last look, then the gauges' counts."""
+        pool = self.pool
+        pool.settle()
+        self.pool_counts = (pool.free_seen, pool.cached)
+
+    @property
+    def snapshot(self) -> PoolSnapshot:
+        """The pool as of the end of the last step (read on the metric reader's thread)."""
+        return snapshot_of(*self.pool_counts, self.pool.limit)
 
     def _sweep(self) -> None:
         live = self._scheduler_requests

@@ -12,9 +12,10 @@ recently freed first]: ``free_blocks`` prepends the former and appends the
 latter, ``get_new_blocks`` pops from the head, ``touch`` takes prefix hits out
 of the back. The tracker keeps the back part as runs, one per ``free_blocks``
 call (blocks cached at the same instant, in queue order), and which run each
-block is in. Whatever left the free queue since the tracker last looked was
-popped from the head (``settle``, at each of those calls and at the end of each
-step): the pops beyond the front part evicted the back part's first blocks,
+block is in. Whatever else left the free queue since the tracker last looked
+was popped from the head (``settle``, before ``free_blocks`` prepends to the
+front part, and at the end of each step): the pops beyond the front part
+evicted the back part's first blocks,
 which gives the evictions and their ages exactly, at O(runs) rather than
 O(blocks).
 
@@ -32,7 +33,8 @@ from __future__ import annotations
 import time
 from array import array
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
 # A run: [queued, live, cached_at]: entries still in vLLM's free queue, those
@@ -40,6 +42,7 @@ from typing import Any, NamedTuple
 QUEUED, LIVE, CACHED_AT = 0, 1, 2
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64
+_REF_CNT = attrgetter("ref_cnt")
 
 
 class PoolSnapshot(NamedTuple):
@@ -53,6 +56,12 @@ class PoolSnapshot(NamedTuple):
     @property
     def utilization(self) -> float:
         return self.used / self.limit if self.limit else 0.0
+
+
+def snapshot_of(free_total: int, cached: int, limit: int) -> PoolSnapshot:
+    """The snapshot of a pool with ``free_total`` free blocks, ``cached`` of them evictable."""
+    cached = min(max(cached, 0), free_total)
+    return PoolSnapshot(used=limit - free_total, cached=cached, free=free_total - cached, limit=limit)
 
 
 def _is_cached_free(block: Any) -> bool:
@@ -70,12 +79,13 @@ class PoolTracker:
         "evictions",
         "eviction_age_sum",
         "eviction_age_max",
-        "_free_seen",  # free blocks at the last settle, for the snapshot
+        "free_seen",  # free blocks at the last settle
         "_runs",
         "_run_of",
         "_queued",  # entries of the back part in vLLM's queue, dead ones included
         "_empty_runs",
         "_hit",
+        "_hits_pending",
     )
 
     def __init__(self, pool: Any) -> None:
@@ -90,6 +100,9 @@ class PoolTracker:
         # Block id -> hash of the block's prefix when a prefix hit last reused it:
         # a block evicted and cached again holds another hash, so no reset is needed.
         self._hit = array("q", bytes(8 * pool.num_gpu_blocks))
+        # The blocks of recent prefix hits by their last block (a shared prefix is
+        # hit again and again), marked in ``_hit`` when the marks are next read.
+        self._hits_pending: dict[int, Sequence[Any]] = {}
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -102,14 +115,14 @@ class PoolTracker:
             self._run_of[block_id] = run
         self.cached = self._queued = len(cached)
         self._empty_runs = 0
-        self._free_seen = self.queue.num_free_blocks
+        self.free_seen = self.queue.num_free_blocks
 
     # --- what vLLM did -------------------------------------------------------------
 
     def settle(self) -> None:
         """Blocks that left the free queue since the last look were popped from its
         head; those past the front (hashless) part were evicted from the prefix cache."""
-        free = self._free_seen = self.queue.num_free_blocks
+        free = self.free_seen = self.queue.num_free_blocks
         # The back part is free blocks: whatever it holds beyond them was popped.
         popped_from_back = self._queued - free
         if popped_from_back > 0:
@@ -178,15 +191,20 @@ class PoolTracker:
             self._queued += appended
             self.cached += appended
 
-    def on_touching(self, blocks: list[Any]) -> None:
-        """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free)."""
-        self.settle()
-        hit, run_of = self._hit, self._run_of
+    def on_touching(self, blocks: Sequence[Any]) -> None:
+        """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free).
+
+        No settling first: a free block a hit takes back was behind whatever the
+        head popped, so the pops come out the same when counted afterwards."""
+        if blocks:
+            self._hits_pending[blocks[-1].block_id] = blocks
+            if countOf(map(_REF_CNT, blocks), 0):  # some are free: in the back part
+                self._take_back(blocks)
+
+    def _take_back(self, blocks: Sequence[Any]) -> None:
+        run_of = self._run_of
         for block in blocks:
-            if block.is_null:  # hits are hashed blocks; null ones stand in for skipped blocks
-                continue
-            hit[block.block_id] = hash(block.block_hash)
-            if block.ref_cnt == 0:  # free: in the back part
+            if block.ref_cnt == 0 and not block.is_null:  # null ones stand in for skipped blocks
                 run = run_of[block.block_id]
                 if run is not None and run[LIVE]:
                     run_of[block.block_id] = None
@@ -222,6 +240,7 @@ class PoolTracker:
 
     def on_reset(self) -> None:
         """After a successful ``reset_prefix_cache``: no block holds a prefix."""
+        self._hits_pending.clear()
         self._rebuild()
 
     # --- readings ------------------------------------------------------------------
@@ -232,8 +251,17 @@ class PoolTracker:
         return oldest
 
     def cached_blocks_hit_again(self) -> int:
-        """Evictable cached blocks a prefix hit has reused (a scan: reconciliation only)."""
+        """Evictable cached blocks a prefix hit has reused (a scan: reconciliation only).
+
+        Hits are marked here, with the prefixes their blocks hold now: a block
+        evicted and cached again since its hit (within one reconciliation
+        interval) counts as hit."""
         hit = self._hit
+        for blocks in self._hits_pending.values():
+            for block in blocks:
+                if block.block_hash is not None:
+                    hit[block.block_id] = hash(block.block_hash)
+        self._hits_pending.clear()
         return sum(
             1 for block in self.pool.blocks if _is_cached_free(block) and hit[block.block_id] == hash(block.block_hash)
         )
@@ -243,11 +271,4 @@ class PoolTracker:
 
     def snapshot(self) -> PoolSnapshot:
         """As of the last ``settle``."""
-        free_total = self._free_seen
-        cached = min(max(self.cached, 0), free_total)
-        return PoolSnapshot(
-            used=self.limit - free_total,
-            cached=cached,
-            free=free_total - cached,
-            limit=self.limit,
-        )
+        return snapshot_of(self.free_seen, self.cached, self.limit)

@@ -1,11 +1,14 @@
 """What otel-kvcache costs vLLM's scheduler loop, measured against the uninstrumented engine.
 
-    python -m benchmarks.overhead [--pairs N] [--quick]
+    python -m benchmarks.overhead [--rounds N] [--pairs N] [--quick]
 
-Each variant runs in its own long-lived process, driving the real V1
-scheduler with fake model outputs at constant concurrency. The coordinator
-alternates timed chunks between them (a pair = one chunk of each, in
-alternating order), so drifts of the machine hit both sides of a pair:
+Each variant runs in its own process, driving the real V1 scheduler with fake
+model outputs at constant concurrency. The coordinator alternates timed chunks
+between them (a pair = one chunk of each, in rotating order), so drifts of the
+machine hit all sides of a pair; and since a process's memory layout alone
+moves its speed by a few % for its whole life, each workload takes several
+rounds, each with freshly forked processes (forks of one process: the same
+string hashes, so the same scheduling decisions). The variants:
 
 - ``base``: uninstrumented, vLLM's ``log_stats`` on (its default when serving);
 - ``otel``: instrumented as under ``opentelemetry-instrument``: every request
@@ -28,12 +31,11 @@ import sys
 import time
 import timeit
 import tracemalloc
-from dataclasses import asdict
 from multiprocessing.connection import Connection
 
-from benchmarks.scheduler_driver import Driver, Workload, workloads
+from benchmarks.scheduler_driver import Driver, Workload, model_config, workloads
 
-CHUNK_SECONDS = 0.4
+CHUNK_SECONDS = 0.15
 
 VARIANTS = {
     "base": {"instrumented": False, "log_stats": True},
@@ -103,51 +105,50 @@ def _helper_cpu_seconds(driver) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _worker(connection: Connection, variant: dict) -> None:
+def _serve(connection: Connection, variant: dict, workload: Workload) -> None:
+    """A forked child: one variant's scheduler, warmed up, running timed chunks on request."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     if variant.get("instrumented"):
         _instrument()
-    driver = None
+    driver = Driver(workload, variant["log_stats"], variant.get("kv_cache_metrics_sample"))
+    driver.top_up()
+    started = time.process_time()
+    driver.run(2 * workload.output_len)  # past the first wave: a steady mix of ages
+    step_seconds = (time.process_time() - started) / driver.steps
+    freeze_gc_heap()  # as vLLM's EngineCore does once it is warm
+    connection.send(step_seconds)
     while True:
-        command, argument = connection.recv()
-        if command == "setup":
-            workload = Workload(**argument)
-            driver = None
-            driver = Driver(workload, variant["log_stats"], variant.get("kv_cache_metrics_sample"))
-            driver.top_up()
-            started = time.process_time()
-            driver.run(2 * workload.output_len)  # past the first wave: a steady mix of ages
-            step_seconds = (time.process_time() - started) / driver.steps
-            freeze_gc_heap()  # as vLLM's EngineCore does once it is warm
-            connection.send(step_seconds)
-        elif command == "run":
-            # CPU time of the whole process: work moved to the SDK's export
-            # threads is still counted.
-            finished, started, helper = driver.finished, time.process_time(), _helper_cpu_seconds(driver)
-            driver.run(argument)
-            elapsed = time.process_time() - started
-            connection.send((elapsed, driver.finished - finished, _helper_cpu_seconds(driver) - helper))
-        elif command == "quit":
-            connection.send(None)
+        steps = connection.recv()
+        if steps is None:
             return
+        # CPU time of the whole process: work moved to the SDK's threads is still counted.
+        finished, started, helper = driver.finished, time.process_time(), _helper_cpu_seconds(driver)
+        driver.run(steps)
+        elapsed = time.process_time() - started
+        connection.send((elapsed, driver.finished - finished, _helper_cpu_seconds(driver) - helper))
 
 
-class Worker:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        context = multiprocessing.get_context("spawn")
-        self.connection, child = context.Pipe()
-        self.process = context.Process(target=_worker, args=(child, VARIANTS[name]), daemon=True)
+class Child:
+    """One variant in a process forked from this one (vLLM already imported: quick to start)."""
+
+    def __init__(self, name: str, workload: Workload) -> None:
+        self.connection, child = multiprocessing.Pipe()
+        self.process = multiprocessing.get_context("fork").Process(
+            target=_serve, args=(child, VARIANTS[name], workload), daemon=True
+        )
         self.process.start()
 
-    def ask(self, command: str, argument=None):
-        self.connection.send((command, argument))
+    def warm(self) -> float:
+        return self.connection.recv()
+
+    def run(self, steps: int) -> tuple[float, int, float]:
+        self.connection.send(steps)
         return self.connection.recv()
 
     def close(self) -> None:
-        self.ask("quit")
-        self.process.join(30)
+        self.connection.send(None)
+        self.process.join(60)
 
 
 # --- measurements --------------------------------------------------------------------
@@ -159,30 +160,54 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(ordered), "p25": q[0], "p75": q[2], "min": ordered[0], "max": ordered[-1]}
 
 
-def paired(workers: dict[str, Worker], workload: Workload, pairs: int, against: str = "base") -> dict:
-    """Alternating timed chunks; ratios of each other variant to ``against``, pair by pair."""
-    step_seconds = {name: w.ask("setup", asdict(workload)) for name, w in workers.items()}
-    steps = max(10, int(CHUNK_SECONDS / step_seconds[against]))
-    times: dict[str, list[float]] = {name: [] for name in workers}
-    finished: dict[str, list[int]] = {name: [] for name in workers}
-    helper: dict[str, list[float]] = {name: [] for name in workers}
-    order = list(workers)
-    for pair in range(pairs):
-        for name in order if pair % 2 == 0 else reversed(order):
-            elapsed, done, helper_seconds = workers[name].ask("run", steps)
-            times[name].append(elapsed)
-            finished[name].append(done)
-            helper[name].append(helper_seconds)
-    result = {"workload": workload.name, "steps_per_chunk": steps, "base_step_ms": 1e3 * statistics.median(times[against]) / steps}
-    for name in workers:
+def paired(names: list[str], workload: Workload, rounds: int, pairs: int, against: str = "base") -> dict:
+    """Ratios of each variant to ``against``, pair by pair, over ``rounds`` sets of fresh processes.
+
+    A process's memory layout alone moves its speed by a few %, for its whole
+    life: each round forks a fresh process per variant (in turn first), and
+    within a round the variants take turns in rotating order, a chunk each."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    finished: dict[str, list[int]] = {name: [] for name in names}
+    helper: dict[str, list[float]] = {name: [] for name in names}
+    round_ratios: dict[str, list[float]] = {name: [] for name in names}
+    base_steps = []
+    for round_index in range(rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        children = {name: Child(name, workload) for name in order}
+        try:
+            step_seconds = {name: child.warm() for name, child in children.items()}
+            steps = max(2, int(CHUNK_SECONDS / step_seconds[against]))
+            base_steps.append(steps)
+            start = len(times[against])
+            for pair in range(pairs):
+                turn = pair % len(order)
+                for name in order[turn:] + order[:turn]:
+                    elapsed, done, helper_seconds = children[name].run(steps)
+                    times[name].append(elapsed / steps)
+                    finished[name].append(done)
+                    helper[name].append(helper_seconds)
+            for name in names:
+                round_ratios[name].append(sum(times[name][start:]) / sum(times[against][start:]))
+        finally:
+            for child in children.values():
+                child.close()
+    result = {
+        "workload": workload.name,
+        "rounds": rounds,
+        "pairs": rounds * pairs,
+        "base_step_ms": 1e3 * statistics.median(times[against]),
+    }
+    for name in names:
         if name == against:
             continue
         ratios = [t / b for t, b in zip(times[name], times[against])]
-        extra = [t - b for t, b in zip(times[name], times[against])]
+        extra_per_step = statistics.median(t - b for t, b in zip(times[name], times[against]))
+        requests_per_step = sum(finished[name]) / (pairs * sum(base_steps))
         result[name] = {
             "ratio": _spread(ratios),
-            "us_per_step": 1e6 * statistics.median(extra) / steps,
-            "us_per_request": 1e6 * statistics.median(extra) / max(1, statistics.median(finished[name])),
+            "round_ratios": round_ratios[name],
+            "us_per_step": 1e6 * extra_per_step,
+            "us_per_request": 1e6 * extra_per_step / max(requests_per_step, 1e-9),
             # CPU of the helper process (another core), per finished request.
             "helper_us_per_request": 1e6 * sum(helper[name]) / max(1, sum(finished[name])),
         }
@@ -217,6 +242,7 @@ def pool_metric_cost() -> dict[int, dict[str, float]]:
     from opentelemetry.sdk.trace import TracerProvider
 
     from otel_kvcache import VLLMKVCacheInstrumentor
+    from otel_kvcache.leaks import RECONCILE_BUDGET
 
     reader = InMemoryMetricReader()
     instrumentor = VLLMKVCacheInstrumentor()
@@ -237,7 +263,7 @@ def pool_metric_cost() -> dict[int, dict[str, float]]:
                 "publish_us": publish * 1e6,
                 "collect_us": collect * 1e6,
                 "reconcile_us": reconcile * 1e6,
-                "reconcile_share": reconcile / engine.reconciler.interval,
+                "reconcile_share": reconcile / max(engine.reconciler.interval, reconcile / RECONCILE_BUDGET),
             }
             del driver, engine
     finally:
@@ -247,30 +273,21 @@ def pool_metric_cost() -> dict[int, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead")
-    parser.add_argument("--pairs", type=int, default=12)
-    parser.add_argument("--quick", action="store_true", help="decode-heavy only, few pairs")
+    parser.add_argument("--rounds", type=int, default=4, help="fresh processes per variant, per workload")
+    parser.add_argument("--pairs", type=int, default=12, help="chunks of each variant per round")
+    parser.add_argument("--quick", action="store_true", help="decode-heavy only, few rounds")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     selected = workloads()[:1] if args.quick else workloads()
-    pairs = 4 if args.quick else args.pairs
+    rounds, pairs = (2, 4) if args.quick else (args.rounds, args.pairs)
+    model_config()  # made once, before the children are forked
 
     results = {"workloads": [], "anchors": None}
-    workers = {name: Worker(name) for name in ("base", "otel", "base-again")}
-    try:
-        for workload in selected:
-            outcome = paired(workers, workload, pairs)
-            results["workloads"].append(outcome)
-            _print_workload(outcome)
-    finally:
-        for worker in workers.values():
-            worker.close()
-
-    anchors = {name: Worker(name) for name in ("base", "no-log-stats", "kv-cache-metrics-1.0")}
-    try:
-        results["anchors"] = paired(anchors, workloads()[0], pairs)
-    finally:
-        for worker in anchors.values():
-            worker.close()
+    for workload in selected:
+        outcome = paired(["base", "otel", "base-again"], workload, rounds, pairs)
+        results["workloads"].append(outcome)
+        _print_workload(outcome)
+    results["anchors"] = paired(["base", "no-log-stats", "kv-cache-metrics-1.0"], workloads()[0], rounds, pairs)
     _print_anchors(results["anchors"])
 
     context = multiprocessing.get_context("spawn")
@@ -297,26 +314,34 @@ def main(argv: list[str] | None = None) -> int:
 def markdown_table(results: dict) -> str:
     """The README's table."""
     lines = [
-        "| workload | base ms/step | instrumented / base: median (p25–p75) | A/A: median (p25–p75) | µs per step | µs per finished request | helper process: CPU µs per request |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | base ms/step | instrumented / base: median (p25–p75) | by round | A/A: median (p25–p75) | A/A by round | µs per step | µs per finished request | helper process: CPU µs per request |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for outcome in results["workloads"]:
         otel, aa = outcome["otel"], outcome["base-again"]
         lines.append(
             f"| {outcome['workload']} | {outcome['base_step_ms']:.2f} "
             f"| {otel['ratio']['median']:.3f} ({otel['ratio']['p25']:.3f}–{otel['ratio']['p75']:.3f}) "
+            f"| {_range(otel['round_ratios'])} "
             f"| {aa['ratio']['median']:.3f} ({aa['ratio']['p25']:.3f}–{aa['ratio']['p75']:.3f}) "
+            f"| {_range(aa['round_ratios'])} "
             f"| {otel['us_per_step']:.0f} | {otel['us_per_request']:.0f} | {otel['helper_us_per_request']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.3f}–{max(values):.3f}"
 
 
 def _print_workload(outcome: dict) -> None:
     otel, aa = outcome["otel"], outcome["base-again"]
     print(
         f"{outcome['workload']:<24} base {outcome['base_step_ms']:.2f} ms/step | "
-        f"otel/base median {otel['ratio']['median']:.4f} (p25 {otel['ratio']['p25']:.4f}, p75 {otel['ratio']['p75']:.4f}) | "
-        f"A/A median {aa['ratio']['median']:.4f} (p25 {aa['ratio']['p25']:.4f}, p75 {aa['ratio']['p75']:.4f}) | "
+        f"otel/base median {otel['ratio']['median']:.4f} (p25 {otel['ratio']['p25']:.4f}, p75 {otel['ratio']['p75']:.4f}; "
+        f"rounds {_range(otel['round_ratios'])}) | "
+        f"A/A median {aa['ratio']['median']:.4f} (p25 {aa['ratio']['p25']:.4f}, p75 {aa['ratio']['p75']:.4f}; "
+        f"rounds {_range(aa['round_ratios'])}) | "
         f"{otel['us_per_step']:.1f} us/step, {otel['us_per_request']:.1f} us/request | "
         f"helper {otel['helper_us_per_request']:.0f} us/request",
         flush=True,

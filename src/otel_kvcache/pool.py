@@ -31,7 +31,6 @@ with it, the cached count can drift until the next prefix-cache reset.
 from __future__ import annotations
 
 import time
-from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from operator import attrgetter, countOf
@@ -43,6 +42,8 @@ QUEUED, LIVE, CACHED_AT = 0, 1, 2
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64
 _REF_CNT = attrgetter("ref_cnt")
+_BLOCK_ID = attrgetter("block_id")
+_BLOCK_HASH = attrgetter("block_hash")
 
 
 class PoolSnapshot(NamedTuple):
@@ -85,7 +86,6 @@ class PoolTracker:
         "_queued",  # entries of the back part in vLLM's queue, dead ones included
         "_empty_runs",
         "_hit",
-        "_hits_pending",
     )
 
     def __init__(self, pool: Any) -> None:
@@ -97,12 +97,9 @@ class PoolTracker:
         self.evictions = 0
         self.eviction_age_sum = 0.0
         self.eviction_age_max = 0.0
-        # Block id -> hash of the block's prefix when a prefix hit last reused it:
-        # a block evicted and cached again holds another hash, so no reset is needed.
-        self._hit = array("q", bytes(8 * pool.num_gpu_blocks))
-        # The blocks of recent prefix hits by their last block (a shared prefix is
-        # hit again and again), marked in ``_hit`` when the marks are next read.
-        self._hits_pending: dict[int, Sequence[Any]] = {}
+        # Block id -> the block's hash (its prefix) when a prefix hit last reused it:
+        # void once the block holds another hash, i.e. was evicted since.
+        self._hit: dict[int, Any] = {}
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -196,10 +193,9 @@ class PoolTracker:
 
         No settling first: a free block a hit takes back was behind whatever the
         head popped, so the pops come out the same when counted afterwards."""
-        if blocks:
-            self._hits_pending[blocks[-1].block_id] = blocks
-            if countOf(map(_REF_CNT, blocks), 0):  # some are free: in the back part
-                self._take_back(blocks)
+        self._hit.update(zip(map(_BLOCK_ID, blocks), map(_BLOCK_HASH, blocks)))
+        if countOf(map(_REF_CNT, blocks), 0):  # some are free: in the back part
+            self._take_back(blocks)
 
     def _take_back(self, blocks: Sequence[Any]) -> None:
         run_of = self._run_of
@@ -240,7 +236,7 @@ class PoolTracker:
 
     def on_reset(self) -> None:
         """After a successful ``reset_prefix_cache``: no block holds a prefix."""
-        self._hits_pending.clear()
+        self._hit.clear()
         self._rebuild()
 
     # --- readings ------------------------------------------------------------------
@@ -251,20 +247,22 @@ class PoolTracker:
         return oldest
 
     def cached_blocks_hit_again(self) -> int:
-        """Evictable cached blocks a prefix hit has reused (a scan: reconciliation only).
+        """Evictable cached blocks a prefix hit has reused (reconciliation only):
+        O(blocks marked), dropping the marks of blocks evicted since their hit."""
+        blocks, hit = self.pool.blocks, self._hit
+        count = 0
+        for block_id, hit_hash in list(hit.items()):
+            block = blocks[block_id]
+            if hit_hash is None or block.block_hash is not hit_hash:
+                del hit[block_id]
+            elif block.ref_cnt == 0:
+                count += 1
+        return count
 
-        Hits are marked here, with the prefixes their blocks hold now: a block
-        evicted and cached again since its hit (within one reconciliation
-        interval) counts as hit."""
-        hit = self._hit
-        for blocks in self._hits_pending.values():
-            for block in blocks:
-                if block.block_hash is not None:
-                    hit[block.block_id] = hash(block.block_hash)
-        self._hits_pending.clear()
-        return sum(
-            1 for block in self.pool.blocks if _is_cached_free(block) and hit[block.block_id] == hash(block.block_hash)
-        )
+    def references(self) -> int:
+        """Block references (``ref_cnt``) over the pool, the null block's left out."""
+        null_block = getattr(self.pool, "null_block", None)
+        return sum(map(_REF_CNT, self.pool.blocks)) - (null_block.ref_cnt if null_block is not None else 0)
 
     def used_blocks(self) -> int:
         return self.limit - self.pool.get_num_free_blocks()

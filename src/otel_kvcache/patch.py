@@ -95,6 +95,83 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> Met
     return build
 
 
+def _after_request(hook: str, errors: InstrumentationErrors, on: str) -> MethodBuilder:
+    """Hooks whose first argument is vLLM's request: after vLLM's call, the
+    engine's method named ``on`` gets it (no frame in between)."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    getattr(engine, on)(args[0] if args else kwargs["request"])
+                except Exception as exc:  # noqa: BLE001
+                    errors.record(hook, exc)
+            return result
+
+        return method
+
+    return build
+
+
+def _around_request(hook: str, errors: InstrumentationErrors, before: str, after: str) -> MethodBuilder:
+    """The engine's methods named ``before`` (with the request) and ``after`` (with
+    the request and what ``before`` returned) around vLLM's call."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is None:
+                return original(self, *args, **kwargs)
+            try:
+                request = args[0] if args else kwargs["request"]
+                state = getattr(engine, before)(request)
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+                return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            try:
+                getattr(engine, after)(request, state)
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+            return result
+
+        return method
+
+    return build
+
+
+def _freeing_blocks(hook: str, errors: InstrumentationErrors) -> MethodBuilder:
+    """``BlockPool.free_blocks(ordered_blocks)``: the tracker looks at the queue
+    before, and after at the queue and the blocks, which it needs to read twice:
+    an iterator is made a list once, and that list is what vLLM gets."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, ordered_blocks, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is None:
+                return original(self, ordered_blocks, *args, **kwargs)
+            if type(ordered_blocks) is not list:
+                ordered_blocks = list(ordered_blocks)
+            tracker = engine.pool
+            try:
+                first_before = tracker.before_freeing()
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+                return original(self, ordered_blocks, *args, **kwargs)
+            result = original(self, ordered_blocks, *args, **kwargs)
+            try:
+                tracker.on_freed(first_before, ordered_blocks)
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+            return result
+
+        return method
+
+    return build
+
+
 def scheduler_init_wrapper(
     hook: str, exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
 ) -> Wrapper:
@@ -113,16 +190,12 @@ def scheduler_init_wrapper(
     return wrapper
 
 
-def _request_added(engine, scheduler, args, kwargs, result, state):
-    engine.on_request_added(first_argument(args, kwargs, "request"))
-
-
 def _scheduled(engine, scheduler, args, kwargs, output, state):
     engine.on_scheduled(output)
 
 
-def _admission_attempted(engine, scheduler, args, kwargs, result, state):
-    engine.on_admission_attempt(first_argument(args, kwargs, "request"))
+def _step_end(engine, scheduler, args, kwargs, result, state):
+    engine.on_step_end()
 
 
 def _prefix_lookup(engine, manager, args, kwargs, result, state):
@@ -142,26 +215,6 @@ def _preempted(engine, scheduler, args, kwargs, result, held_and_computed):
     engine.on_preempted(first_argument(args, kwargs, "request"), held_and_computed)
 
 
-def _before_release(engine, scheduler, args, kwargs):
-    return engine.before_release(first_argument(args, kwargs, "request"))
-
-
-def _released(engine, scheduler, args, kwargs, result, freed):
-    engine.on_released(first_argument(args, kwargs, "request"), freed)
-
-
-def _step_end(engine, scheduler, args, kwargs, result, state):
-    engine.on_step_end()
-
-
-def _before_freeing(engine, pool, args, kwargs):
-    return engine.pool.before_freeing()
-
-
-def _freed(engine, pool, args, kwargs, result, last_before):
-    engine.pool.on_freed(last_before)
-
-
 def _prefix_cache_reset(engine, pool, args, kwargs, succeeded, state):
     if succeeded:
         engine.pool.on_reset()
@@ -177,15 +230,15 @@ def build_wrappers(
 
     return {
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
-        "request_added": observing(_request_added),
+        "request_added": lambda hook: _after_request(hook, errors, "on_request_added"),
         "preempt": observing(_preempted, _before_preempt),
-        "release": observing(_released, _before_release),
+        "release": lambda hook: _around_request(hook, errors, "before_release", "on_released"),
         "step_end": observing(_step_end),
         "scheduled": observing(_scheduled),
-        "admission_attempt": observing(_admission_attempted),
+        "admission_attempt": lambda hook: _after_request(hook, errors, "on_admission_attempt"),
         "prefix_lookup": observing(_prefix_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
-        "free_blocks": observing(_freed, _before_freeing),
+        "free_blocks": lambda hook: _freeing_blocks(hook, errors),
         "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
         "reset_prefix_cache": observing(_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),

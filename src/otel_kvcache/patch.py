@@ -142,27 +142,24 @@ def _around_request(hook: str, errors: InstrumentationErrors, before: str, after
     return build
 
 
-def _freeing_blocks(hook: str, errors: InstrumentationErrors) -> MethodBuilder:
-    """``BlockPool.free_blocks(ordered_blocks)``: the tracker looks at the queue
-    before, and after at the queue and the blocks, which it needs to read twice:
-    an iterator is made a list once, and that list is what vLLM gets."""
+def _around_pool(hook: str, errors: InstrumentationErrors, before: str, after: str) -> MethodBuilder:
+    """Block-pool hooks around vLLM's call: the ``PoolTracker`` methods named
+    ``before`` and ``after`` (with what ``before`` returned)."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, ordered_blocks, *args, **kwargs):
+        def method(self, *args, **kwargs):
             engine = getattr(self, ENGINE_ATTRIBUTE, None)
             if engine is None:
-                return original(self, ordered_blocks, *args, **kwargs)
-            if type(ordered_blocks) is not list:
-                ordered_blocks = list(ordered_blocks)
+                return original(self, *args, **kwargs)
             tracker = engine.pool
             try:
-                first_before = tracker.before_freeing()
+                state = getattr(tracker, before)()
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
-                return original(self, ordered_blocks, *args, **kwargs)
-            result = original(self, ordered_blocks, *args, **kwargs)
+                return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
             try:
-                tracker.on_freed(first_before, ordered_blocks)
+                getattr(tracker, after)(state)
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
             return result
@@ -238,7 +235,7 @@ def build_wrappers(
         "admission_attempt": lambda hook: _after_request(hook, errors, "on_admission_attempt"),
         "prefix_lookup": observing(_prefix_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
-        "free_blocks": lambda hook: _freeing_blocks(hook, errors),
+        "free_blocks": lambda hook: _around_pool(hook, errors, "before_freeing", "on_freed"),
         "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
         "reset_prefix_cache": observing(_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),

@@ -33,8 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import compress, repeat
-from operator import attrgetter, countOf, eq
+from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
 # A run: [queued, live, cached_at]: entries still in vLLM's free queue, those
@@ -108,7 +107,9 @@ class PoolTracker:
         cached = [block.block_id for block in self.queue.get_all_free_blocks() if block.block_hash is not None]
         run = [len(cached), len(cached), time.monotonic()]
         self._runs: deque[list] = deque([run] if cached else ())
-        self._run_of: dict[int, list] = dict.fromkeys(cached, run)
+        self._run_of: list[list | None] = [None] * self.pool.num_gpu_blocks
+        for block_id in cached:
+            self._run_of[block_id] = run
         self.cached = self._queued = len(cached)
         self._empty_runs = 0
         self.free_seen = self.queue.num_free_blocks
@@ -157,43 +158,35 @@ class PoolTracker:
             self.cached -= evicted
 
     def before_freeing(self) -> Any:
-        """Before ``free_blocks``: settles, and returns the queue's first block."""
+        """Before ``free_blocks``: settles, and returns the queue's last block."""
         self.settle()
-        return self.queue.fake_free_list_head.next_free_block
+        return self.queue.fake_free_list_tail.prev_free_block
 
-    def on_freed(self, first_before: Any, blocks: list[Any]) -> None:
-        """After ``free_blocks(blocks)``: of the blocks whose last reference went,
-        vLLM put those without a hash at the head (before ``first_before``) and
-        appended the rest, in the order it will evict them, as one run."""
-        queue = self.queue
-        freed = queue.num_free_blocks - self.free_seen
-        if freed <= 0:
-            return
-        hashless = []
-        block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
-        while block is not first_before and block is not tail and block.block_hash is None:
-            hashless.append(block.block_id)
-            block = block.next_free_block
-        appended = freed - len(hashless)
-        if appended <= 0:
-            return
-        run = [appended, appended, time.monotonic()]
-        self._runs.append(run)
-        self._queued += appended
-        self.cached += appended
-        # The appended blocks: those of ``blocks`` left without a reference, less the hashless.
-        released = list(compress(blocks, map(eq, map(_REF_CNT, blocks), repeat(0))))
-        if len(released) == freed:
-            block_ids = map(_BLOCK_ID, released)
-            if hashless:
-                block_ids = [block_id for block_id in block_ids if block_id not in hashless]
-            self._run_of.update(zip(block_ids, repeat(run)))
-            return
-        # The null block, or another pool's blocks, among them: walk back from the tail.
-        block = tail.prev_free_block
-        for _ in range(appended):
-            self._run_of[block.block_id] = run
-            block = block.prev_free_block
+    def on_freed(self, last_before: Any) -> None:
+        """After ``free_blocks``: the blocks it appended after ``last_before`` are the
+        ones whose last reference went and that kept a hash, in the order vLLM
+        will evict them. (The hashless ones went to the head, other pools' blocks
+        to their own queues.)"""
+        run = [0, 0, time.monotonic()]
+        run_of = self._run_of
+        block = self.queue.fake_free_list_tail.prev_free_block
+        appended = 0
+        if last_before is self.queue.fake_free_list_head:
+            # The queue was empty: the hashless blocks vLLM prepended come first.
+            while block is not last_before and block.block_hash is not None:
+                run_of[block.block_id] = run
+                appended += 1
+                block = block.prev_free_block
+        else:
+            while block is not last_before:
+                run_of[block.block_id] = run
+                appended += 1
+                block = block.prev_free_block
+        if appended:
+            run[QUEUED] = run[LIVE] = appended
+            self._runs.append(run)
+            self._queued += appended
+            self.cached += appended
 
     def on_touching(self, blocks: Sequence[Any]) -> None:
         """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free).
@@ -208,8 +201,9 @@ class PoolTracker:
         run_of = self._run_of
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:  # null ones stand in for skipped blocks
-                run = run_of.pop(block.block_id, None)
+                run = run_of[block.block_id]
                 if run is not None and run[LIVE]:
+                    run_of[block.block_id] = None
                     run[LIVE] -= 1
                     run[QUEUED] -= 1
                     self._queued -= 1
@@ -230,9 +224,9 @@ class PoolTracker:
         self.settle()
         blocks, run_of, now = self.pool.blocks, self._run_of, time.monotonic()
         for block_id in block_ids:
-            run = run_of.get(block_id)
+            run = run_of[block_id]
             if run is not None and run[LIVE] and _is_cached_free(blocks[block_id]):
-                del run_of[block_id]
+                run_of[block_id] = None
                 run[LIVE] -= 1
                 age = now - run[CACHED_AT]
                 self.eviction_age_sum += age

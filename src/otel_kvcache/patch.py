@@ -115,9 +115,10 @@ def _after_request(hook: str, errors: InstrumentationErrors, on: str) -> MethodB
     return build
 
 
-def _around_request(hook: str, errors: InstrumentationErrors, before: str, after: str) -> MethodBuilder:
-    """The engine's methods named ``before`` (with the request) and ``after`` (with
-    the request and what ``before`` returned) around vLLM's call."""
+def _around(hook: str, errors: InstrumentationErrors, before: str, after: str, on_pool: bool = False) -> MethodBuilder:
+    """Methods named ``before`` and ``after`` (which also gets what ``before``
+    returned) around vLLM's call: the engine's, given vLLM's request, or with
+    ``on_pool`` the pool tracker's, given nothing."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -125,41 +126,17 @@ def _around_request(hook: str, errors: InstrumentationErrors, before: str, after
             if engine is None:
                 return original(self, *args, **kwargs)
             try:
-                request = args[0] if args else kwargs["request"]
-                state = getattr(engine, before)(request)
+                if on_pool:
+                    target, given = engine.pool, ()
+                else:
+                    target, given = engine, (args[0] if args else kwargs["request"],)
+                state = getattr(target, before)(*given)
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
                 return original(self, *args, **kwargs)
             result = original(self, *args, **kwargs)
             try:
-                getattr(engine, after)(request, state)
-            except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
-            return result
-
-        return method
-
-    return build
-
-
-def _around_pool(hook: str, errors: InstrumentationErrors, before: str, after: str) -> MethodBuilder:
-    """Block-pool hooks around vLLM's call: the ``PoolTracker`` methods named
-    ``before`` and ``after`` (with what ``before`` returned)."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is None:
-                return original(self, *args, **kwargs)
-            tracker = engine.pool
-            try:
-                state = getattr(tracker, before)()
-            except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
-                return original(self, *args, **kwargs)
-            result = original(self, *args, **kwargs)
-            try:
-                getattr(tracker, after)(state)
+                getattr(target, after)(*given, state)
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
             return result
@@ -229,13 +206,13 @@ def build_wrappers(
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
         "request_added": lambda hook: _after_request(hook, errors, "on_request_added"),
         "preempt": observing(_preempted, _before_preempt),
-        "release": lambda hook: _around_request(hook, errors, "before_release", "on_released"),
+        "release": lambda hook: _around(hook, errors, "before_release", "on_released"),
         "step_end": observing(_step_end),
         "scheduled": observing(_scheduled),
         "admission_attempt": lambda hook: _after_request(hook, errors, "on_admission_attempt"),
         "prefix_lookup": observing(_prefix_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
-        "free_blocks": lambda hook: _around_pool(hook, errors, "before_freeing", "on_freed"),
+        "free_blocks": lambda hook: _around(hook, errors, "before_freeing", "on_freed", on_pool=True),
         "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
         "reset_prefix_cache": observing(_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),

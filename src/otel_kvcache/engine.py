@@ -38,6 +38,7 @@ from otel_kvcache.vllm_compat import (
     is_waiting_for_blocks,
     kv_bytes_per_block,
     may_hold_null_blocks,
+    request_being_scheduled,
 )
 
 # Requests that leave the scheduler without passing a release hook (a path a
@@ -204,6 +205,11 @@ class EngineTelemetry:
         self.allocation_stalls += 1
 
     def before_preempt(self, request: Any) -> tuple[int, int]:
+        """Before ``_preempt_request``: a preemption inside ``schedule()`` makes room
+        for a request whose allocation failed, a stall of that request."""
+        stalled = request_being_scheduled()
+        if stalled is not None:
+            self.on_stall(stalled)
         return self.held_blocks(request.request_id), request.num_computed_tokens
 
     def on_preempted(self, request: Any, held_and_computed: tuple[int, int]) -> None:

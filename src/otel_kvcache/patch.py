@@ -27,7 +27,7 @@ from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
 from otel_kvcache.resource import name_child_process_wrapper
-from otel_kvcache.vllm_compat import first_argument, request_being_scheduled
+from otel_kvcache.vllm_compat import first_argument
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each instrumented Scheduler, its KVCacheManager and its BlockPool."""
@@ -36,42 +36,31 @@ ExporterFactory = Callable[[], Any]
 """Returns the exporter a new engine hands its finished requests to (``export.py``)."""
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 MethodBuilder = Callable[[Callable[..., Any]], Callable[..., Any]]
-Before = Callable[[EngineTelemetry, Any, tuple, dict], Any]
-After = Callable[[EngineTelemetry, Any, tuple, dict, Any, Any], None]
+After = Callable[[EngineTelemetry, Any, tuple, dict, Any], None]
 
 
-def _observing(hook: str, errors: InstrumentationErrors, after: After, before: Before | None = None) -> MethodBuilder:
-    """Most hooks: ``before`` and ``after`` get the engine, vLLM's object and its
-    arguments; ``after`` also the result and what ``before`` returned."""
+def _observing(
+    hook: str, errors: InstrumentationErrors, after: After | None = None, on_request: str | None = None
+) -> MethodBuilder:
+    """After vLLM's call: ``after`` gets the engine, vLLM's object, its arguments and
+    the result; or, for hooks whose first argument is vLLM's request, the engine's
+    method named ``on_request`` gets that (no frame in between)."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is None:
-                return original(self, *args, **kwargs)
-            try:
-                state = before(engine, self, args, kwargs)
-            except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
-                errors.record(hook, exc)
-                return original(self, *args, **kwargs)
-            result = original(self, *args, **kwargs)
-            try:
-                after(engine, self, args, kwargs, result, state)
-            except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
-            return result
-
-        def method_after(self, *args, **kwargs):  # the same without ``before``
             result = original(self, *args, **kwargs)
             engine = getattr(self, ENGINE_ATTRIBUTE, None)
             if engine is not None:
                 try:
-                    after(engine, self, args, kwargs, result, None)
-                except Exception as exc:  # noqa: BLE001
+                    if on_request is not None:
+                        getattr(engine, on_request)(args[0] if args else kwargs["request"])
+                    else:
+                        after(engine, self, args, kwargs, result)
+                except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
                     errors.record(hook, exc)
             return result
 
-        return method_after if before is None else method
+        return method
 
     return build
 
@@ -89,26 +78,6 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> Met
                 except Exception as exc:  # noqa: BLE001
                     errors.record(hook, exc)
             return original(self, *args, **kwargs)
-
-        return method
-
-    return build
-
-
-def _after_request(hook: str, errors: InstrumentationErrors, on: str) -> MethodBuilder:
-    """Hooks whose first argument is vLLM's request: after vLLM's call, the
-    engine's method named ``on`` gets it (no frame in between)."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is not None:
-                try:
-                    getattr(engine, on)(args[0] if args else kwargs["request"])
-                except Exception as exc:  # noqa: BLE001
-                    errors.record(hook, exc)
-            return result
 
         return method
 
@@ -164,32 +133,21 @@ def scheduler_init_wrapper(
     return wrapper
 
 
-def _scheduled(engine, scheduler, args, kwargs, output, state):
+def _scheduled(engine, scheduler, args, kwargs, output):
     engine.on_scheduled(output)
 
 
-def _step_end(engine, scheduler, args, kwargs, result, state):
+def _step_end(engine, scheduler, args, kwargs, result):
     engine.on_step_end()
 
 
-def _prefix_lookup(engine, manager, args, kwargs, result, state):
+def _prefix_lookup(engine, manager, args, kwargs, result):
     request = first_argument(args, kwargs, "request")
     num_hits = args[1] if len(args) > 1 else kwargs["num_hits"]
     engine.on_prefix_cache_lookup(request, num_hits, counted=manager.prefix_cache_lookup_enabled(request))
 
 
-def _before_preempt(engine, scheduler, args, kwargs):
-    stalled = request_being_scheduled()
-    if stalled is not None:
-        engine.on_stall(stalled)
-    return engine.before_preempt(first_argument(args, kwargs, "request"))
-
-
-def _preempted(engine, scheduler, args, kwargs, result, held_and_computed):
-    engine.on_preempted(first_argument(args, kwargs, "request"), held_and_computed)
-
-
-def _prefix_cache_reset(engine, pool, args, kwargs, succeeded, state):
+def _prefix_cache_reset(engine, pool, args, kwargs, succeeded):
     if succeeded:
         engine.pool.on_reset()
 
@@ -199,17 +157,17 @@ def build_wrappers(
 ) -> dict[str, Callable[[str], Wrapper | MethodBuilder]]:
     """Role -> a factory taking the hook's name; factories run only once vLLM is imported."""
 
-    def observing(after: After, before: Before | None = None) -> Callable[[str], MethodBuilder]:
-        return lambda hook: _observing(hook, errors, after, before)
+    def observing(after: After) -> Callable[[str], MethodBuilder]:
+        return lambda hook: _observing(hook, errors, after)
 
     return {
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
-        "request_added": lambda hook: _after_request(hook, errors, "on_request_added"),
-        "preempt": observing(_preempted, _before_preempt),
+        "request_added": lambda hook: _observing(hook, errors, on_request="on_request_added"),
+        "preempt": lambda hook: _around(hook, errors, "before_preempt", "on_preempted"),
         "release": lambda hook: _around(hook, errors, "before_release", "on_released"),
         "step_end": observing(_step_end),
         "scheduled": observing(_scheduled),
-        "admission_attempt": lambda hook: _after_request(hook, errors, "on_admission_attempt"),
+        "admission_attempt": lambda hook: _observing(hook, errors, on_request="on_admission_attempt"),
         "prefix_lookup": observing(_prefix_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
         "free_blocks": lambda hook: _around(hook, errors, "before_freeing", "on_freed", on_pool=True),

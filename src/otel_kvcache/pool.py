@@ -152,10 +152,13 @@ class PoolTracker:
                 if oldest is None:
                     oldest = cached_at
         if evicted:
-            self.eviction_age_sum += age_sum
-            self.eviction_age_max = max(self.eviction_age_max, now - oldest)
-            self.evictions += evicted
-            self.cached -= evicted
+            self._count_evictions(evicted, age_sum, now - oldest)
+
+    def _count_evictions(self, evicted: int, age_sum: float, oldest_age: float) -> None:
+        self.eviction_age_sum += age_sum
+        self.eviction_age_max = max(self.eviction_age_max, oldest_age)
+        self.evictions += evicted
+        self.cached -= evicted
 
     def before_freeing(self) -> Any:
         """Before ``free_blocks``: settles, and returns the queue's last block."""
@@ -229,10 +232,7 @@ class PoolTracker:
                 run_of[block_id] = None
                 run[LIVE] -= 1
                 age = now - run[CACHED_AT]
-                self.eviction_age_sum += age
-                self.eviction_age_max = max(self.eviction_age_max, age)
-                self.evictions += 1
-                self.cached -= 1
+                self._count_evictions(1, age, age)
 
     def on_reset(self) -> None:
         """After a successful ``reset_prefix_cache``: no block holds a prefix."""

@@ -21,7 +21,6 @@ thread, so it is written for the scheduler's hot loop:
 from __future__ import annotations
 
 import time
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
@@ -38,13 +37,13 @@ from otel_kvcache.vllm_compat import (
     is_waiting_for_blocks,
     kv_bytes_per_block,
     may_hold_null_blocks,
+    real_blocks,
     request_being_scheduled,
 )
 
 # Requests that leave the scheduler without passing a release hook (a path a
 # future vLLM adds, say) are swept this often, so our state stays bounded.
 SWEEP_EVERY_STEPS = 512
-_IS_NULL = attrgetter("is_null")
 
 if TYPE_CHECKING:
     from otel_kvcache.exporter_process import ExporterProcess
@@ -142,7 +141,7 @@ class EngineTelemetry:
         for manager, with_null_blocks in self._type_managers:
             blocks = manager.req_to_blocks.get(request_id)
             if blocks:
-                held += len(blocks) - sum(map(_IS_NULL, blocks)) if with_null_blocks else len(blocks)
+                held += real_blocks(blocks, with_null_blocks)
         return held
 
     def _event(self, record: RequestRecord, name: str, attributes: dict) -> None:

@@ -25,22 +25,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from operator import attrgetter, countOf
 from typing import TYPE_CHECKING, Any
 
 from otel_kvcache import names
 from otel_kvcache.config import RECONCILE_SECONDS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
 from otel_kvcache.export import Finding, log_in_trace
+from otel_kvcache.vllm_compat import real_blocks
 
 if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
 
-_IS_NULL = attrgetter("is_null")
 # The share of the engine thread reconciliation may take: after a pass that
 # took t, the next waits at least t / RECONCILE_BUDGET (a large pool's passes
 # come further apart than OTEL_KVCACHE_RECONCILE_SECONDS; 0 still means every step).
 RECONCILE_BUDGET = 0.001
-
 
 
 @dataclass
@@ -89,12 +87,12 @@ class Reconciler:
         slack = 0
         for manager, with_null_blocks in engine._type_managers:
             for request_id, blocks in manager.req_to_blocks.items():
-                held = len(blocks) - countOf(map(_IS_NULL, blocks), True) if with_null_blocks else len(blocks)
+                held = real_blocks(blocks, with_null_blocks)
                 if held:
                     accounted += held
                     holding[request_id] = holding.get(request_id, 0) + held
         for _, blocks in self._deferred_frees:
-            accounted += len(blocks) - countOf(map(_IS_NULL, blocks), True)
+            accounted += real_blocks(blocks)
 
         zombies, zombie_blocks = [], 0
         for request_id, held in holding.items():

@@ -9,6 +9,7 @@ name and the others keep working.
 from __future__ import annotations
 
 import sys
+from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
 from otel_kvcache import names
@@ -145,6 +146,15 @@ def may_hold_null_blocks(type_manager: Any) -> bool:
     skipped blocks: sliding window, chunked local attention, Mamba, RSWA...).
     Plain full attention never does, so its held blocks are its list's length."""
     return type(type_manager).__name__ != "FullAttentionManager"
+
+
+_IS_NULL = attrgetter("is_null")
+
+
+def real_blocks(blocks: Any, may_hold_null: bool = True) -> int:
+    """Blocks in a block list, vLLM's null block (a placeholder) left out; with
+    ``may_hold_null`` false (``may_hold_null_blocks``), just its length."""
+    return len(blocks) - countOf(map(_IS_NULL, blocks), True) if may_hold_null else len(blocks)
 
 
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:

@@ -27,7 +27,7 @@ ENTRY_POINTS = {
         "on_request_added", "on_admission_attempt", "on_prefix_cache_lookup", "on_scheduled", "on_stall",
         "before_preempt", "on_preempted", "before_release", "on_released", "on_step_end",
     ),
-    "pool": ("before_freeing", "on_freed", "on_touching", "before_evicting", "on_reset"),
+    "pool": ("before_prepending", "on_appending", "on_touching", "before_evicting", "on_reset"),
 }  # fmt: skip
 
 
@@ -98,8 +98,13 @@ def measure(workload_name: str, steps: int) -> dict:
     nested_calls = calls.pop("exporter.request_ended", 0)
     overhead_ns = _timer_cost_ns()
     ours_ns = sum(spent.values()) - overhead_ns * sum(calls.values()) - overhead_ns * nested_calls
-    by_point = {key: (value - overhead_ns * calls[key]) / steps / 1e3 for key, value in spent.most_common()}
-    by_point["exporter.request_ended (in on_released)"] = (nested - overhead_ns * nested_calls) / steps / 1e3
+    by_point = {
+        key: ((value - overhead_ns * calls[key]) / steps / 1e3, calls[key] / steps) for key, value in spent.most_common()
+    }
+    by_point["exporter.request_ended (in on_released)"] = (
+        (nested - overhead_ns * nested_calls) / steps / 1e3,
+        nested_calls / steps,
+    )
     return {
         "workload": workload_name,
         "step_ms": step_seconds * 1e3,
@@ -126,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             f"uninstrumented step | timer {result['timer_ns']:.0f} ns/call subtracted",
             flush=True,
         )
-        for key, value in result["by_entry_point_us_per_step"].items():
-            print(f"    {key:<42} {value:6.1f} us/step")
+        for key, (us_per_step, calls_per_step) in result["by_entry_point_us_per_step"].items():
+            per_call = us_per_step / calls_per_step if calls_per_step else 0.0
+            print(f"    {key:<42} {us_per_step:6.1f} us/step | {calls_per_step:5.2f} calls/step, {per_call:5.2f} us/call")
     return 0
 
 

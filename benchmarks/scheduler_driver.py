@@ -91,7 +91,10 @@ class Driver:
         # Output lengths spread evenly over [0.5, 1.5) x output_len (same sequence in
         # every process), so requests finish at a steady rate instead of in waves.
         output_len = self.workload.output_len * (64 + (n * 37) % 128) // 128
-        unique = [(n * 7919 + 31 * k) % VOCAB_SIZE for k in range(self.workload.prompt_len - self.workload.shared_prefix)]
+        # Beyond the shared prefix no two prompts match: the request's number leads the rest.
+        unique = [n % VOCAB_SIZE, n // VOCAB_SIZE % VOCAB_SIZE] + [
+            (n * 7919 + 31 * k) % VOCAB_SIZE for k in range(self.workload.prompt_len - self.workload.shared_prefix - 2)
+        ]
         return Request(
             request_id=f"req-{n}",
             prompt_token_ids=self._shared + unique,

@@ -78,7 +78,7 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
             "on_step_end",
         ):
             monkeypatch.setattr(EngineTelemetry, method, _fail)
-        for method in ("on_freed", "on_touching", "on_reset", "settle"):
+        for method in ("before_prepending", "on_appending", "on_touching", "on_reset", "settle"):
             monkeypatch.setattr(PoolTracker, method, _fail)
         with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
             failing = _workload(model_config)
@@ -91,7 +91,8 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
     hooks = {p.attributes[names.HOOK] for p in errors}
     assert {"Scheduler.add_request", "Scheduler.schedule", "Scheduler._get_local_prefix_cache_hit",
             "Scheduler._free_blocks", "Scheduler._preempt_request", "Scheduler.update_from_output",
-            "KVCacheManager.record_prefix_cache_stats", "BlockPool.free_blocks", "BlockPool.touch"} <= hooks
+            "KVCacheManager.record_prefix_cache_stats", "FreeKVCacheBlockQueue.prepend_n",
+            "FreeKVCacheBlockQueue.append_n", "BlockPool.touch"} <= hooks
     assert sum(p.value for p in errors) > len(hooks)  # counted every time...
     logged = [r for r in caplog.records if "injected" in str(r.exc_info and r.exc_info[1])]
     assert len(logged) == len(hooks)  # ...logged once per kind

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+from engine_harness import VOCAB_SIZE
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
 from otel_kvcache import names
+from otel_kvcache import pool as pool_tracking
 
 NUM_BLOCKS = 24  # 23 usable blocks of 16 tokens for requests that grow to ~9 blocks each
 
@@ -132,3 +138,45 @@ def test_a_kv_connector_evicting_free_cached_blocks_is_counted_once(make_engine,
     engine.run()
     assert telemetry.blocks_by_state() == engine.pool_scan()
     assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes > len(cached[1::2])
+
+
+@pytest.mark.parametrize("eager_appends", [0, 1, pool_tracking.EAGER_APPENDS])
+def test_a_growing_chat_takes_its_cached_blocks_back_and_the_gauges_follow(
+    make_engine, telemetry, monkeypatch, eager_appends
+):
+    """The article's multi-turn chat: each turn's prompt is the whole conversation so
+    far, so its prefix hit takes back the blocks the previous turn freed (free and
+    cached), while the pool is small enough for the head to evict. Whether runs are
+    indexed when appended or only when a hit needs them (``EAGER_APPENDS``), the
+    gauges equal a scan of vLLM's pool at every step and the evictions vLLM's KV events."""
+    monkeypatch.setattr(pool_tracking, "EAGER_APPENDS", eager_appends)
+    engine = make_engine(num_blocks=40)
+    chats = {f"chat-{c}": [(97 * c + 11 * k) % VOCAB_SIZE for k in range(40)] for c in range(3)}
+
+    def check(harness):
+        assert telemetry.blocks_by_state() == harness.pool_scan(), f"step {harness.steps}"
+
+    hit_tokens_after_first_turn = 0
+    for turn in range(6):
+        requests = {
+            chat: engine.add(
+                Request(
+                    request_id=f"{chat}-turn-{turn}",
+                    prompt_token_ids=list(tokens),
+                    sampling_params=SamplingParams(max_tokens=20, ignore_eos=True),
+                    pooling_params=None,
+                    block_hasher=engine._hasher,
+                )
+            )
+            for chat, tokens in chats.items()
+        }
+        hits_before = engine.truth.prefix_hits
+        engine.run(after_step=check)
+        if turn:
+            hit_tokens_after_first_turn += engine.truth.prefix_hits - hits_before
+        for chat, request in requests.items():  # the answer and the next question join the context
+            chats[chat] = list(request.all_token_ids) + [(turn * 7 + k) % VOCAB_SIZE for k in range(12)]
+
+    assert hit_tokens_after_first_turn > 0, "later turns must hit the cached blocks earlier turns freed"
+    assert engine.events.removed_hashes > 0, "the pool must be small enough to evict"
+    assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes

@@ -34,8 +34,10 @@ from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
 
 _logger = logging.getLogger(__name__)
 
-FLUSH_SECONDS = 0.2
-BATCH = 256
+# Well inside the SDK's own batching (the batch span processor exports every 5 s);
+# each write wakes the helper, tens of microseconds of the engine thread.
+FLUSH_SECONDS = 1.0
+BATCH = 1024
 MAX_BUFFERED_BYTES = 8 << 20
 _FRAME_HEADER = struct.Struct("<I")
 HOOK = "exporter_process"

@@ -30,7 +30,7 @@ from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.vllm_compat import first_argument
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
-"""Set on each instrumented Scheduler, its KVCacheManager and its BlockPool."""
+"""Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue."""
 
 ExporterFactory = Callable[[], Any]
 """Returns the exporter a new engine hands its finished requests to (``export.py``)."""
@@ -66,8 +66,9 @@ def _observing(
 
 
 def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> MethodBuilder:
-    """Block-pool hooks with nothing to do after vLLM's call: ``before`` names a
-    ``PoolTracker`` method that takes vLLM's own arguments; no frame in between."""
+    """Block-pool and free-queue hooks with nothing to do after vLLM's call:
+    ``before`` names a ``PoolTracker`` method that takes vLLM's own arguments; no
+    frame in between."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -84,28 +85,24 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> Met
     return build
 
 
-def _around(hook: str, errors: InstrumentationErrors, before: str, after: str, on_pool: bool = False) -> MethodBuilder:
-    """Methods named ``before`` and ``after`` (which also gets what ``before``
-    returned) around vLLM's call: the engine's, given vLLM's request, or with
-    ``on_pool`` the pool tracker's, given nothing."""
+def _around(hook: str, errors: InstrumentationErrors, before: str, after: str) -> MethodBuilder:
+    """The engine's methods named ``before`` and ``after`` around vLLM's call, given
+    vLLM's request (``after`` also gets what ``before`` returned)."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             engine = getattr(self, ENGINE_ATTRIBUTE, None)
             if engine is None:
                 return original(self, *args, **kwargs)
+            request = args[0] if args else kwargs["request"]
             try:
-                if on_pool:
-                    target, given = engine.pool, ()
-                else:
-                    target, given = engine, (args[0] if args else kwargs["request"],)
-                state = getattr(target, before)(*given)
+                state = getattr(engine, before)(request)
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
                 return original(self, *args, **kwargs)
             result = original(self, *args, **kwargs)
             try:
-                getattr(target, after)(*given, state)
+                getattr(engine, after)(request, state)
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
             return result
@@ -125,7 +122,7 @@ def scheduler_init_wrapper(
         try:
             engine = EngineTelemetry(instance, exporter_for(), instruments, errors)
             manager = instance.kv_cache_manager
-            for owner in (instance, manager, manager.block_pool):
+            for owner in (instance, manager, manager.block_pool, manager.block_pool.free_block_queue):
                 setattr(owner, ENGINE_ATTRIBUTE, engine)
         except Exception as exc:  # noqa: BLE001
             errors.record(hook, exc)
@@ -170,7 +167,8 @@ def build_wrappers(
         "admission_attempt": lambda hook: _observing(hook, errors, on_request="on_admission_attempt"),
         "prefix_lookup": observing(_prefix_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
-        "free_blocks": lambda hook: _around(hook, errors, "before_freeing", "on_freed", on_pool=True),
+        "queue_prepend": lambda hook: _tracking_pool(hook, errors, "before_prepending"),
+        "queue_append": lambda hook: _tracking_pool(hook, errors, "on_appending"),
         "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
         "reset_prefix_cache": observing(_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),

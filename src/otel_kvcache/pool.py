@@ -9,23 +9,28 @@ mirrors the free queue's order instead.
 
 vLLM's free queue is always [blocks without a hash][blocks with one, least
 recently freed first]: ``free_blocks`` prepends the former and appends the
-latter, ``get_new_blocks`` pops from the head, ``touch`` takes prefix hits out
-of the back. The tracker keeps the back part as runs, one per ``free_blocks``
-call (blocks cached at the same instant, in queue order), and which run each
-block is in. Whatever else left the free queue since the tracker last looked
-was popped from the head (``settle``, before ``free_blocks`` prepends to the
-front part, and at the end of each step): the pops beyond the front part
-evicted the back part's first blocks,
-which gives the evictions and their ages exactly, at O(runs) rather than
-O(blocks).
+latter (``prepend_n``, ``append_n``), ``get_new_blocks`` pops from the head,
+``touch`` takes prefix hits out of the back. The tracker keeps the back part
+as runs, one per ``append_n`` call (blocks cached at the same instant, in
+queue order). Whatever else left the free queue since the tracker last looked
+was popped from the head (``settle``, before ``prepend_n`` grows the front
+part, and at the end of each step): the pops beyond the front part evicted the
+back part's first blocks, which gives the evictions and their ages exactly, at
+O(runs) rather than O(blocks).
 
-A KV connector's ``evict_blocks`` drops the hash of free blocks in place:
-they stay queued as dead entries of their run. Where the head pops part of a
-run holding such entries, the dead ones are taken to go first (their places
-are not kept); the counts are exact again once the run is gone.
+Which run a block is in matters only when a prefix hit takes free blocks back
+(or a connector evicts them), and writing it down costs a few hundred
+nanoseconds a block on the engine thread, several times that once the blocks
+have left the CPU's caches. So a run is indexed by block when it is appended
+while prefix hits keep taking free blocks back (``EAGER_APPENDS``), and
+otherwise keeps vLLM's list of its blocks, indexed only if a take-back comes.
 
-Not mirrored: ``unpin_blocks`` (hisparse) appends to the queue without a hook;
-with it, the cached count can drift until the next prefix-cache reset.
+``unpin_blocks`` (hisparse) appends blocks that stay readable until reused,
+with or without a hash: they count as cached, and their reuse as evictions. A
+KV connector's ``evict_blocks`` drops the hash of free blocks in place: they
+stay queued as dead entries of their run. Where the head pops part of a run
+holding dead entries, the dead ones are taken to go first (their places are
+not kept); the counts are exact again once the run is gone.
 """
 
 from __future__ import annotations
@@ -36,14 +41,18 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
-# A run: [queued, live, cached_at]: entries still in vLLM's free queue, those
-# of them still cached (the rest are dead), and when they were freed.
-QUEUED, LIVE, CACHED_AT = 0, 1, 2
+from otel_kvcache.vllm_compat import block_hash_reader
+
+# A run: [queued, live, cached_at, blocks]: entries still in vLLM's free queue,
+# those of them still cached (the rest are dead), when they were freed, and
+# vLLM's list of them until the run is indexed by block (None after).
+QUEUED, LIVE, CACHED_AT, BLOCKS = 0, 1, 2, 3
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64
+# Appended runs are indexed at once for this many appends after a take-back.
+EAGER_APPENDS = 64
 _REF_CNT = attrgetter("ref_cnt")
 _BLOCK_ID = attrgetter("block_id")
-_BLOCK_HASH = attrgetter("block_hash")
 
 
 class PoolSnapshot(NamedTuple):
@@ -65,10 +74,6 @@ def snapshot_of(free_total: int, cached: int, limit: int) -> PoolSnapshot:
     return PoolSnapshot(used=limit - free_total, cached=cached, free=free_total - cached, limit=limit)
 
 
-def _is_cached_free(block: Any) -> bool:
-    return block.ref_cnt == 0 and not block.is_null and block.block_hash is not None
-
-
 class PoolTracker:
     """Counts the evictable cached blocks of one vLLM ``BlockPool``, and its evictions."""
 
@@ -81,10 +86,12 @@ class PoolTracker:
         "eviction_age_sum",
         "eviction_age_max",
         "free_seen",  # free blocks at the last settle
+        "_block_hash",
         "_runs",
         "_run_of",
         "_queued",  # entries of the back part in vLLM's queue, dead ones included
         "_empty_runs",
+        "_eager_appends",
         "_hit",
     )
 
@@ -97,6 +104,7 @@ class PoolTracker:
         self.evictions = 0
         self.eviction_age_sum = 0.0
         self.eviction_age_max = 0.0
+        self._block_hash = block_hash_reader(pool.blocks[0])
         # Block id -> the block's hash (its prefix) when a prefix hit last reused it:
         # void once the block holds another hash, i.e. was evicted since.
         self._hit: dict[int, Any] = {}
@@ -104,14 +112,15 @@ class PoolTracker:
 
     def _rebuild(self) -> None:
         """The back part from a walk of the free queue (at start, and after a prefix-cache reset)."""
-        cached = [block.block_id for block in self.queue.get_all_free_blocks() if block.block_hash is not None]
-        run = [len(cached), len(cached), time.monotonic()]
-        self._runs: deque[list] = deque([run] if cached else ())
+        cached = [block for block in self.queue.get_all_free_blocks() if block.block_hash is not None]
+        self._runs: deque[list] = deque([[len(cached), len(cached), time.monotonic(), cached]] if cached else ())
+        # Block id -> its run, for the runs indexed so far (always the oldest ones);
+        # entries of runs gone are stale but harmless: a free block with a hash is in
+        # the latest run that holds it.
         self._run_of: list[list | None] = [None] * self.pool.num_gpu_blocks
-        for block_id in cached:
-            self._run_of[block_id] = run
         self.cached = self._queued = len(cached)
         self._empty_runs = 0
+        self._eager_appends = 0
         self.free_seen = self.queue.num_free_blocks
 
     # --- what vLLM did -------------------------------------------------------------
@@ -132,7 +141,7 @@ class PoolTracker:
         evicted, age_sum, oldest = 0, 0.0, None
         while count and runs:
             run = runs[0]
-            queued, live, cached_at = run
+            queued, live, cached_at, _ = run
             if queued <= count:
                 runs.popleft()
                 if not queued:
@@ -160,47 +169,53 @@ class PoolTracker:
         self.evictions += evicted
         self.cached -= evicted
 
-    def before_freeing(self) -> Any:
-        """Before ``free_blocks``: settles, and returns the queue's last block."""
-        self.settle()
-        return self.queue.fake_free_list_tail.prev_free_block
+    def before_prepending(self, blocks: list) -> None:
+        """Before ``prepend_n``: pops since the last look must be counted before the
+        front part grows."""
+        if blocks:
+            self.settle()
 
-    def on_freed(self, last_before: Any) -> None:
-        """After ``free_blocks``: the blocks it appended after ``last_before`` are the
-        ones whose last reference went and that kept a hash, in the order vLLM
-        will evict them. (The hashless ones went to the head, other pools' blocks
-        to their own queues.)"""
-        run = [0, 0, time.monotonic()]
-        run_of = self._run_of
-        block = self.queue.fake_free_list_tail.prev_free_block
-        appended = 0
-        if last_before is self.queue.fake_free_list_head:
-            # The queue was empty: the hashless blocks vLLM prepended come first.
-            while block is not last_before and block.block_hash is not None:
-                run_of[block.block_id] = run
-                appended += 1
-                block = block.prev_free_block
-        else:
-            while block is not last_before:
-                run_of[block.block_id] = run
-                appended += 1
-                block = block.prev_free_block
-        if appended:
-            run[QUEUED] = run[LIVE] = appended
+    def on_appending(self, blocks: list) -> None:
+        """Before ``append_n``: these blocks join the back, in the order vLLM will evict them."""
+        if blocks:
+            queued = len(blocks)
+            run = [queued, queued, time.monotonic(), None]
+            if self._eager_appends:
+                self._eager_appends -= 1
+                run_of = self._run_of
+                for block in blocks:
+                    run_of[block.block_id] = run
+            else:
+                run[BLOCKS] = list(blocks)
             self._runs.append(run)
-            self._queued += appended
-            self.cached += appended
+            self._queued += queued
+            self.cached += queued
+
+    def _index_new_runs(self) -> None:
+        """Which run each block of the runs not yet indexed (the newest ones) is in."""
+        new_runs = []
+        for run in reversed(self._runs):
+            if run[BLOCKS] is None:
+                break
+            new_runs.append(run)
+        run_of = self._run_of
+        for run in reversed(new_runs):
+            for block in run[BLOCKS]:
+                run_of[block.block_id] = run
+            run[BLOCKS] = None
 
     def on_touching(self, blocks: Sequence[Any]) -> None:
         """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free).
 
         No settling first: a free block a hit takes back was behind whatever the
         head popped, so the pops come out the same when counted afterwards."""
-        self._hit.update(zip(map(_BLOCK_ID, blocks), map(_BLOCK_HASH, blocks)))
+        self._hit.update(zip(map(_BLOCK_ID, blocks), map(self._block_hash, blocks)))
         if countOf(map(_REF_CNT, blocks), 0):  # some are free: in the back part
             self._take_back(blocks)
 
     def _take_back(self, blocks: Sequence[Any]) -> None:
+        self._index_new_runs()
+        self._eager_appends = EAGER_APPENDS
         run_of = self._run_of
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:  # null ones stand in for skipped blocks
@@ -225,10 +240,12 @@ class PoolTracker:
         """Before ``evict_blocks`` (a KV connector's): free cached blocks among them
         lose their prefix but keep their place in the queue."""
         self.settle()
+        self._index_new_runs()
         blocks, run_of, now = self.pool.blocks, self._run_of, time.monotonic()
         for block_id in block_ids:
             run = run_of[block_id]
-            if run is not None and run[LIVE] and _is_cached_free(blocks[block_id]):
+            block = blocks[block_id]
+            if run is not None and run[LIVE] and block.ref_cnt == 0 and self._block_hash(block) is not None:
                 run_of[block_id] = None
                 run[LIVE] -= 1
                 age = now - run[CACHED_AT]

@@ -17,6 +17,7 @@ from otel_kvcache import names
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 KV_CACHE_MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
 BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
+KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
 
 VERIFIED = ("0.32.0",)
 
@@ -57,11 +58,14 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # Called once per successful admission with the local prefix-hit tokens
     # (get_computed_blocks also runs for admissions that fail and over-counts).
     HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "record_prefix_cache_stats", "prefix_lookup"),
-    # The last reference of a block goes: hashless blocks go to the head of the
-    # free queue, hashed ones (evictable cache) to its back. get_new_blocks pops
-    # from the head, evicting the hashed blocks it pops: not hooked, as it runs
-    # dozens of times a step; pool.py infers it from the queue's length.
-    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "free_blocks", "free_blocks"),
+    # The free queue: free_blocks prepends the blocks whose last reference went
+    # and that hold no prefix, then appends those that do (evictable cache, the
+    # order vLLM evicts them in); unpin_blocks (hisparse) appends too.
+    # get_new_blocks pops from the head, evicting the hashed blocks it pops: not
+    # hooked, as it runs dozens of times a step; pool.py infers it from the
+    # queue's length.
+    HookPoint(KV_CACHE_UTILS_MODULE, "FreeKVCacheBlockQueue", "prepend_n", "queue_prepend"),
+    HookPoint(KV_CACHE_UTILS_MODULE, "FreeKVCacheBlockQueue", "append_n", "queue_append"),
     # A prefix hit takes cached blocks back into use.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "touch", "touch"),
     # A KV connector drops blocks from the prefix cache by id.
@@ -149,6 +153,12 @@ def may_hold_null_blocks(type_manager: Any) -> bool:
 
 
 _IS_NULL = attrgetter("is_null")
+
+
+def block_hash_reader(block: Any) -> Any:
+    """Reads a block's prefix hash: ``KVCacheBlock.block_hash`` is a property over
+    the ``_block_hash`` slot (0.32), which ``attrgetter`` reads without a Python call."""
+    return attrgetter("_block_hash" if hasattr(block, "_block_hash") else "block_hash")
 
 
 def real_blocks(blocks: Any, may_hold_null: bool = True) -> int:

@@ -24,7 +24,7 @@ from time import perf_counter_ns
 
 ENTRY_POINTS = {
     "engine": (
-        "on_request_added", "on_admission_attempt", "on_prefix_cache_lookup", "on_scheduled", "on_stall",
+        "on_admission_attempt", "on_prefix_cache_lookup", "on_scheduled", "on_stall",
         "before_preempt", "on_preempted", "before_release", "on_released", "on_step_end",
     ),
     "pool": ("before_prepending", "on_appending", "on_touching", "before_evicting", "on_reset"),

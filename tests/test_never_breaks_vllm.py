@@ -66,7 +66,6 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
 
         # Now make every piece of our own code raise, before and after vLLM's calls.
         for method in (
-            "on_request_added",
             "on_admission_attempt",
             "on_prefix_cache_lookup",
             "on_scheduled",
@@ -89,7 +88,7 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
     assert failing == baseline
     errors = telemetry.points(names.INSTRUMENTATION_ERRORS)
     hooks = {p.attributes[names.HOOK] for p in errors}
-    assert {"Scheduler.add_request", "Scheduler.schedule", "Scheduler._get_local_prefix_cache_hit",
+    assert {"Scheduler.schedule", "Scheduler._get_local_prefix_cache_hit",
             "Scheduler._free_blocks", "Scheduler._preempt_request", "Scheduler.update_from_output",
             "KVCacheManager.record_prefix_cache_stats", "FreeKVCacheBlockQueue.prepend_n",
             "FreeKVCacheBlockQueue.append_n", "BlockPool.touch"} <= hooks

@@ -5,8 +5,10 @@ EngineCore, i.e. per data-parallel rank). Everything here runs on the engine
 thread, so it is written for the scheduler's hot loop:
 
 - nothing runs per scheduled request per step: a request is looked at when it
-  is admitted, preempted or released, and a step costs a handful of attribute
-  reads;
+  is admitted, preempted or released (its record is made at its first
+  admission attempt), and a step costs a handful of attribute reads and one
+  clock read; the chores (reconciliation, the hand-over to the exporter) run
+  when one is due;
 - counters are plain integers, read by observable counters on the metric
   reader's thread; the gauges read ``snapshot``, made from the pool's counts
   that each step publishes as one tuple;
@@ -41,10 +43,6 @@ from otel_kvcache.vllm_compat import (
     request_being_scheduled,
 )
 
-# Requests that leave the scheduler without passing a release hook (a path a
-# future vLLM adds, say) are swept this often, so our state stays bounded.
-SWEEP_EVERY_STEPS = 512
-
 if TYPE_CHECKING:
     from otel_kvcache.exporter_process import ExporterProcess
 
@@ -71,7 +69,7 @@ class RequestRecord:
 
     def __init__(self, start_ns: int) -> None:
         self.start_ns = start_ns
-        self.events: list[tuple[str, int, dict]] = []
+        self.events: list[tuple] = []  # export.EVENT_FIELDS
         self.peak = 0
         self.allocated = 0
         self.prefix_hit_blocks = 0
@@ -131,6 +129,7 @@ class EngineTelemetry:
         )
         self._scheduler_requests: dict[str, Any] = scheduler.requests
         self.reconciler = Reconciler(self, scheduler)
+        self._chores_due = 0.0
         instruments.engines.add(self)
 
     # --- helpers ------------------------------------------------------------
@@ -144,25 +143,27 @@ class EngineTelemetry:
                 held += real_blocks(blocks, with_null_blocks)
         return held
 
-    def _event(self, record: RequestRecord, name: str, attributes: dict) -> None:
+    def event(self, record: RequestRecord, name: str, blocks: int, detail: Any) -> None:
+        """An event on the request's span to come, as ``export.EVENT_FIELDS``: a flat
+        tuple (no dict) is the cheapest to build and to pickle."""
         free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
-        attributes[names.POOL_FREE_BLOCKS] = free
-        attributes[names.POOL_USED_BLOCKS] = self.pool.limit - free
-        record.events.append((name, time.time_ns(), attributes))
+        record.events.append((name, time.time_ns(), blocks, detail, free, self.pool.limit - free))
 
     # --- request lifecycle ----------------------------------------------------
 
-    def on_request_added(self, request: Any) -> None:
-        if request.request_id not in self.requests:  # else a streaming-input session's next chunk
-            self.requests[request.request_id] = RequestRecord(int(request.arrival_time * 1e9))
+    def _record_of(self, request: Any) -> RequestRecord:
+        """The request's record, made when the scheduler first looks at it (a
+        streaming-input session's later chunks keep it)."""
+        record = self.requests.get(request.request_id)
+        if record is None:
+            record = self.requests[request.request_id] = RequestRecord(int(request.arrival_time * 1e9))
+        return record
 
     def on_admission_attempt(self, request: Any) -> None:
         self._attempted.append(request)
 
     def on_prefix_cache_lookup(self, request: Any, num_hits: int, counted: bool) -> None:
-        record = self.requests.get(request.request_id)
-        if record is not None:
-            record.pending_hit_tokens = num_hits
+        self._record_of(request).pending_hit_tokens = num_hits
         if counted:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hits
@@ -173,8 +174,9 @@ class EngineTelemetry:
         admitted.extend(output.scheduled_cached_reqs.resumed_req_ids)
         for request_id in admitted:
             record = self.requests.get(request_id)
-            if record is not None:
-                self._admitted(record, request_id)
+            if record is None:  # admitted without a prefix-cache lookup
+                record = self._record_of(self._scheduler_requests[request_id])
+            self._admitted(record, request_id)
         if self._attempted:
             admitted_ids = set(admitted)
             for request in self._attempted:
@@ -192,12 +194,12 @@ class EngineTelemetry:
         if held > record.peak:
             record.peak = held
         event = names.EVENT_RESUMED if record.preemptions else names.EVENT_ADMITTED
-        self._event(record, event, {names.BLOCKS: held, names.EVENT_PREFIX_HIT_TOKENS: hit_tokens})
+        self.event(record, event, held, hit_tokens)
 
     def on_stall(self, request: Any) -> None:
         """The scheduler tried to give this request blocks in this step and found none."""
-        record = self.requests.get(request.request_id)
-        if record is None or record.last_stall_step == self.step:
+        record = self._record_of(request)
+        if record.last_stall_step == self.step:
             return
         record.last_stall_step = self.step
         record.stalls += 1
@@ -221,45 +223,46 @@ class EngineTelemetry:
         record.preemptions += 1
         record.recomputed_tokens += computed
         record.end_admission_period(released)
-        self._event(record, names.EVENT_PREEMPTED, {names.BLOCKS: released, names.RECOMPUTED_TOKENS: computed})
+        self.event(record, names.EVENT_PREEMPTED, released, computed)
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
 
     def on_released(self, request: Any, freed: int) -> None:
         record = self.requests.pop(request.request_id, None)
-        if record is not None:
-            record.end_admission_period(freed)
-            reason = finish_reason(request.status)
-            self._event(record, names.EVENT_RELEASED, {names.BLOCKS: freed, names.FINISH_REASON: reason})
-            still_held = self.held_blocks(request.request_id)
-            if still_held:  # vLLM's free path kept the request's blocks: a leak, seen at once
-                self._event(record, names.EVENT_LEAK, {names.REQUEST_ID: request.request_id, names.BLOCKS: still_held})
-            self.computed_tokens += request.num_computed_tokens + record.recomputed_tokens
-            if is_instrumentation_enabled():
-                # A plain tuple in FinishedRequest's field order: the cheapest to build and to pickle.
-                self.exporter.request_ended(
-                    (
-                        request.request_id,
-                        request.trace_headers,
-                        record.start_ns,
-                        request.num_prompt_tokens,
-                        request.num_output_tokens,
-                        record.cache_read_tokens,
-                        self.block_size,
-                        record.peak,
-                        record.allocated,
-                        record.prefix_hit_blocks,
-                        freed,
-                        record.preemptions,
-                        record.recomputed_tokens,
-                        record.stalls,
-                        reason,
-                        record.events,
-                        still_held,
-                        self.attributes,
-                    )
+        if record is None:  # never looked at by the scheduler: aborted while waiting
+            record = RequestRecord(int(request.arrival_time * 1e9))
+        record.end_admission_period(freed)
+        reason = finish_reason(request.status)
+        self.event(record, names.EVENT_RELEASED, freed, reason)
+        still_held = self.held_blocks(request.request_id)
+        if still_held:  # vLLM's free path kept the request's blocks: a leak, seen at once
+            self.event(record, names.EVENT_LEAK, still_held, request.request_id)
+        self.computed_tokens += request.num_computed_tokens + record.recomputed_tokens
+        if is_instrumentation_enabled():
+            # A plain tuple in FinishedRequest's field order: the cheapest to build and to pickle.
+            self.exporter.request_ended(
+                (
+                    request.request_id,
+                    request.trace_headers,
+                    record.start_ns,
+                    request.num_prompt_tokens,
+                    request.num_output_tokens,
+                    record.cache_read_tokens,
+                    self.block_size,
+                    record.peak,
+                    record.allocated,
+                    record.prefix_hit_blocks,
+                    freed,
+                    record.preemptions,
+                    record.recomputed_tokens,
+                    record.stalls,
+                    reason,
+                    record.events,
+                    still_held,
+                    self.attributes,
                 )
+            )
         if not self._scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): publish and look now.
             self._publish_pool()
@@ -269,13 +272,17 @@ class EngineTelemetry:
     # --- steps --------------------------------------------------------------------
 
     def on_step_end(self) -> None:
-        """Once per engine step: publish the pool snapshot for the gauges."""
+        """Once per engine step: publish the pool's counts for the gauges; chores when due."""
         self.step += 1
         self._publish_pool()
-        self.reconciler.maybe_run()
-        self.exporter.flush_if_due()
-        if self.step % SWEEP_EVERY_STEPS == 0:
-            self._sweep()
+        now = time.monotonic()
+        if now >= self._chores_due:
+            self._chores(now)
+
+    def _chores(self, now: float) -> None:
+        self.reconciler.maybe_run(now)
+        self.exporter.flush_if_due(now)
+        self._chores_due = min(self.reconciler.due, self.exporter.due)
 
     def _publish_pool(self) -> None:
         """What vLLM popped off the free queue since the last look, then the gauges' counts."""
@@ -287,8 +294,3 @@ class EngineTelemetry:
     def snapshot(self) -> PoolSnapshot:
         """The pool as of the end of the last step (read on the metric reader's thread)."""
         return snapshot_of(*self.pool_counts, self.pool.limit)
-
-    def _sweep(self) -> None:
-        live = self._scheduler_requests
-        for request_id in [rid for rid in self.requests if rid not in live]:
-            del self.requests[request_id]

@@ -20,6 +20,7 @@ join the span's trace wherever the span was built.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -35,6 +36,23 @@ _findings_logger = logging.getLogger("otel_kvcache.findings")
 
 # Span contexts of recently ended requests, so a later leak finding joins their trace.
 RECENTLY_ENDED = 4096
+
+EVENT_FIELDS = ("name", "time_ns", "blocks", "detail", "pool_free_blocks", "pool_used_blocks")
+"""A span event as the engine records it: a flat tuple of these."""
+EVENT_DETAIL = {
+    names.EVENT_ADMITTED: names.EVENT_PREFIX_HIT_TOKENS,
+    names.EVENT_RESUMED: names.EVENT_PREFIX_HIT_TOKENS,
+    names.EVENT_PREEMPTED: names.RECOMPUTED_TOKENS,
+    names.EVENT_RELEASED: names.FINISH_REASON,
+    names.EVENT_LEAK: names.REQUEST_ID,
+    names.EVENT_ZOMBIE: names.REQUEST_ID,
+    names.EVENT_STUCK: names.STUCK_STEPS,
+}
+"""The attribute each event's ``detail`` is exported as (besides its blocks)."""
+
+
+def event_attributes(name: str, blocks: int, detail: Any) -> dict[str, Any]:
+    return {names.BLOCKS: blocks, EVENT_DETAIL[name]: detail}
 
 
 class FinishedRequest(NamedTuple):
@@ -56,7 +74,8 @@ class FinishedRequest(NamedTuple):
     recomputed_tokens: int
     stalls: int
     finish_reason: str
-    events: list[tuple[str, int, dict]]
+    events: list[tuple]
+    """``EVENT_FIELDS`` tuples."""
     still_held: int
     """Blocks vLLM still attributes to the request after releasing it: a leak."""
     engine_attributes: dict[str, Any]
@@ -128,7 +147,10 @@ class RequestExporter:
                 names.FINISH_REASON: finished.finish_reason,
             },
         )
-        for name, timestamp, attributes in finished.events:
+        for name, timestamp, blocks, detail, free, used in finished.events:
+            attributes = event_attributes(name, blocks, detail)
+            attributes[names.POOL_FREE_BLOCKS] = free
+            attributes[names.POOL_USED_BLOCKS] = used
             span.add_event(name, attributes, timestamp)
         span.end(finished.events[-1][1])
         # Recorded in the span's context so exporters can attach it as an exemplar.
@@ -161,8 +183,11 @@ class RequestExporter:
             span.end()
         log_in_trace(context, "otel-kvcache: request %s %s", finding.request_id, finding.message)
 
-    def flush_if_due(self) -> None:
-        """Nothing is ever pending here (the ``ExporterProcess`` interface)."""
+    due = math.inf
+    """Nothing is ever pending here (the ``ExporterProcess`` interface)."""
+
+    def flush_if_due(self, now: float) -> None:
+        """Nothing is ever pending here."""
 
     def flush(self) -> None:
         """Nothing is ever pending here."""

@@ -74,7 +74,7 @@ class ExporterProcess:
         self._outgoing = bytearray()
         self._outgoing_records = 0  # in ``_outgoing``, not yet all written
         self._helper_gone = False
-        self._due = time.monotonic() + FLUSH_SECONDS
+        self.due = time.monotonic() + FLUSH_SECONDS
         self.dropped = 0
         atexit.register(self.close)
 
@@ -87,13 +87,11 @@ class ExporterProcess:
         self._findings.append(finding)
         self.flush()
 
-    def flush_if_due(self) -> None:
-        """Once per step: send what is pending if it waited ``FLUSH_SECONDS``."""
-        if self._requests or self._outgoing:
-            now = time.monotonic()
-            if now >= self._due:
-                self._due = now + FLUSH_SECONDS
-                self.flush()
+    def flush_if_due(self, now: float) -> None:
+        """Sends what is pending every ``FLUSH_SECONDS`` (the engine calls when ``due``)."""
+        if now >= self.due:
+            self.due = now + FLUSH_SECONDS
+            self.flush()
 
     def flush(self) -> None:
         if self._requests or self._findings:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_kvcache import names
 from otel_kvcache.config import RECONCILE_SECONDS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
-from otel_kvcache.export import Finding, log_in_trace
+from otel_kvcache.export import Finding, event_attributes, log_in_trace
 from otel_kvcache.vllm_compat import real_blocks
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Reconciler:
     def __init__(self, engine: EngineTelemetry, scheduler: Any) -> None:
         self.engine = engine
         self.interval = env_float(RECONCILE_SECONDS, 5.0)
-        self._due = time.monotonic() + self.interval
+        self.due = time.monotonic() + self.interval
         self.grace_seconds = env_float(ZOMBIE_GRACE_SECONDS, 30.0)
         self.stuck_steps = env_int(STUCK_STEPS, 1024)
         self.report = LeakReport()
@@ -68,15 +68,15 @@ class Reconciler:
         self._holding_since: dict[str, float] = {}
         self._reported: set[tuple[str, str]] = set()  # (kind, request id) already told
 
-    def maybe_run(self) -> None:
-        if time.monotonic() >= self._due:
+    def maybe_run(self, now: float) -> None:
+        if now >= self.due:
             self.run()
 
     def run(self) -> LeakReport:
         now = time.monotonic()
         report = self._reconcile(now)
         finished = time.monotonic()
-        self._due = finished + (max(self.interval, (finished - now) / RECONCILE_BUDGET) if self.interval else 0.0)
+        self.due = finished + (max(self.interval, (finished - now) / RECONCILE_BUDGET) if self.interval else 0.0)
         return report
 
     def _reconcile(self, now: float) -> LeakReport:
@@ -105,14 +105,20 @@ class Reconciler:
                 zombies.append(request_id)
                 zombie_blocks += held
                 self._tell(
-                    "zombie",
+                    names.EVENT_ZOMBIE,
                     request_id,
-                    {names.BLOCKS: held},
+                    held,
+                    request_id,
                     f"still holds {held} KV blocks {now - since:.0f} s after it finished",
                 )
         for request_id in [rid for rid in self._holding_since if rid not in holding]:
             del self._holding_since[request_id]
-            self._reported.discard(("zombie", request_id))
+            self._reported.discard((names.EVENT_ZOMBIE, request_id))
+
+        # Records of requests that left the scheduler without a release (a path a
+        # future vLLM may add): dropped, so our state stays bounded.
+        for request_id in [rid for rid in engine.requests if rid not in live]:
+            del engine.requests[request_id]
 
         pool = engine.pool
         orphaned = max(pool.references() - accounted, 0)
@@ -153,22 +159,22 @@ class Reconciler:
             elif engine.step - record.progress_step >= self.stuck_steps:
                 stuck.append(request_id)
                 idle = engine.step - record.progress_step
-                self._tell("stuck", request_id, {names.STUCK_STEPS: idle}, f"has computed no token for {idle} steps")
+                held = engine.held_blocks(request_id)
+                self._tell(names.EVENT_STUCK, request_id, held, idle, f"has computed no token for {idle} steps")
         return stuck
 
-    def _tell(self, kind: str, request_id: str, attributes: dict, detail: str) -> None:
-        """Once per request and kind: an event on its span (or a finding span in its
+    def _tell(self, event: str, request_id: str, blocks: int, detail: Any, message: str) -> None:
+        """Once per request and event: the event on its span (or a finding span in its
         trace, if its span has ended), and a log record (in its trace's context
         once the span has ended)."""
-        if (kind, request_id) in self._reported:
+        if (event, request_id) in self._reported:
             return
-        self._reported.add((kind, request_id))
+        self._reported.add((event, request_id))
         engine = self.engine
-        event = names.EVENT_ZOMBIE if kind == "zombie" else names.EVENT_STUCK
-        attributes = {names.REQUEST_ID: request_id, **attributes}
         record = engine.requests.get(request_id)
         if record is not None:  # on the span to come
-            record.events.append((event, time.time_ns(), attributes))
-            log_in_trace(None, "otel-kvcache: request %s %s", request_id, detail)
+            engine.event(record, event, blocks, detail)
+            log_in_trace(None, "otel-kvcache: request %s %s", request_id, message)
         else:  # in the ended span's trace, wherever the span was built
-            engine.exporter.finding(Finding(request_id, event, attributes, detail))
+            attributes = {names.REQUEST_ID: request_id, **event_attributes(event, blocks, detail)}
+            engine.exporter.finding(Finding(request_id, event, attributes, message))

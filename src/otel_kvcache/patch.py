@@ -159,7 +159,6 @@ def build_wrappers(
 
     return {
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
-        "request_added": lambda hook: _observing(hook, errors, on_request="on_request_added"),
         "preempt": lambda hook: _around(hook, errors, "before_preempt", "on_preempted"),
         "release": lambda hook: _around(hook, errors, "before_release", "on_released"),
         "step_end": observing(_step_end),

@@ -173,7 +173,9 @@ class PoolTracker:
         """Before ``prepend_n``: pops since the last look must be counted before the
         front part grows."""
         if blocks:
-            self.settle()
+            popped_from_back = self._queued - self.queue.num_free_blocks  # settle(), for the pops only
+            if popped_from_back > 0:
+                self._pop(popped_from_back)
 
     def on_appending(self, blocks: list) -> None:
         """Before ``append_n``: these blocks join the back, in the order vLLM will evict them."""

@@ -41,8 +41,6 @@ class HookPoint(NamedTuple):
 HOOK_POINTS: tuple[HookPoint, ...] = (
     # Builds the engine's KV telemetry right after vLLM built its KV manager.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "__init__", "scheduler_init", hot=False),
-    # Admits a new request (also called again for streaming-input chunks).
-    HookPoint(SCHEDULER_MODULE, "Scheduler", "add_request", "request_added"),
     # Once per step; its output lists the step's new and resumed requests.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "schedule", "scheduled"),
     # The waiting loop's prefix lookup: one call per admission attempt of a

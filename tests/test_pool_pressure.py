@@ -180,3 +180,27 @@ def test_a_growing_chat_takes_its_cached_blocks_back_and_the_gauges_follow(
     assert hit_tokens_after_first_turn > 0, "later turns must hit the cached blocks earlier turns freed"
     assert engine.events.removed_hashes > 0, "the pool must be small enough to evict"
     assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes
+
+
+def test_unpinned_blocks_join_the_free_queue_as_vllm_counts_them(make_engine, telemetry):
+    """hisparse's ``unpin_blocks`` hands blocks back to the free queue's tail, to stay
+    readable until reused: hashless ones are free, not cached, and their reuse
+    evicts nothing."""
+    engine = make_engine(num_blocks=NUM_BLOCKS)
+    engine.add(engine.make_request("warm", prompt_len=64, max_tokens=4))
+    engine.run()  # leaves cached blocks behind
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    pinned = pool.get_new_blocks(3)  # one reference each, no hash
+    reused = []
+    pool.unpin_blocks(pinned, on_reuse=reused.append)
+    engine.step()  # the gauges read the counts published at the end of a step
+    assert telemetry.blocks_by_state() == engine.pool_scan()
+
+    def check(harness):
+        assert telemetry.blocks_by_state() == harness.pool_scan(), f"step {harness.steps}"
+
+    engine.add(engine.make_request("after", prompt_len=352, max_tokens=4))  # takes all 23 blocks
+    engine.run(after_step=check)
+    assert {block.block_id for block in reused} == {block.block_id for block in pinned}
+    assert engine.events.removed_hashes > 0
+    assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes

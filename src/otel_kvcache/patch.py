@@ -169,6 +169,7 @@ def build_wrappers(
         "queue_prepend": lambda hook: _tracking_pool(hook, errors, "before_prepending"),
         "queue_append": lambda hook: _tracking_pool(hook, errors, "on_appending"),
         "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
+        "unpin": lambda hook: _tracking_pool(hook, errors, "before_unpinning"),
         "reset_prefix_cache": observing(_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),

@@ -25,10 +25,9 @@ have left the CPU's caches. So a run is indexed by block when it is appended
 while prefix hits keep taking free blocks back (``EAGER_APPENDS``), and
 otherwise keeps vLLM's list of its blocks, indexed only if a take-back comes.
 
-``unpin_blocks`` (hisparse) appends blocks that stay readable until reused,
-with or without a hash: they count as cached, and their reuse as evictions. A
-KV connector's ``evict_blocks`` drops the hash of free blocks in place: they
-stay queued as dead entries of their run. Where the head pops part of a run
+Entries of the back part that hold no prefix are dead: ``unpin_blocks``
+(hisparse) appends blocks with or without a hash, and a KV connector's
+``evict_blocks`` drops the hash of free blocks in place. Where the head pops part of a run
 holding dead entries, the dead ones are taken to go first (their places are
 not kept); the counts are exact again once the run is gone.
 """
@@ -92,6 +91,7 @@ class PoolTracker:
         "_queued",  # entries of the back part in vLLM's queue, dead ones included
         "_empty_runs",
         "_eager_appends",
+        "_unpinning",
         "_hit",
     )
 
@@ -105,6 +105,7 @@ class PoolTracker:
         self.eviction_age_sum = 0.0
         self.eviction_age_max = 0.0
         self._block_hash = block_hash_reader(pool.blocks[0])
+        self._unpinning = False
         # Block id -> the block's hash (its prefix) when a prefix hit last reused it:
         # void once the block holds another hash, i.e. was evicted since.
         self._hit: dict[int, Any] = {}
@@ -177,11 +178,19 @@ class PoolTracker:
             if popped_from_back > 0:
                 self._pop(popped_from_back)
 
+    def before_unpinning(self, blocks: Any, on_reuse: Any = None) -> None:
+        """Before ``unpin_blocks``: the blocks it appends may hold no prefix."""
+        self._unpinning = True
+
     def on_appending(self, blocks: list) -> None:
-        """Before ``append_n``: these blocks join the back, in the order vLLM will evict them."""
+        """Before ``append_n``: these blocks join the back, in the order vLLM will evict
+        them (``free_blocks`` appends only blocks with a hash)."""
         if blocks:
-            queued = len(blocks)
-            run = [queued, queued, time.monotonic(), None]
+            queued = live = len(blocks)
+            if self._unpinning:
+                self._unpinning = False
+                live -= countOf(map(self._block_hash, blocks), None)
+            run = [queued, live, time.monotonic(), None]
             if self._eager_appends:
                 self._eager_appends -= 1
                 run_of = self._run_of
@@ -191,7 +200,7 @@ class PoolTracker:
                 run[BLOCKS] = list(blocks)
             self._runs.append(run)
             self._queued += queued
-            self.cached += queued
+            self.cached += live
 
     def _index_new_runs(self) -> None:
         """Which run each block of the runs not yet indexed (the newest ones) is in."""

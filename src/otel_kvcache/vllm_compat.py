@@ -64,6 +64,9 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # queue's length.
     HookPoint(KV_CACHE_UTILS_MODULE, "FreeKVCacheBlockQueue", "prepend_n", "queue_prepend"),
     HookPoint(KV_CACHE_UTILS_MODULE, "FreeKVCacheBlockQueue", "append_n", "queue_append"),
+    # hisparse: releases blocks that stay readable until reused, appending them
+    # to the free queue with or without a hash.
+    HookPoint(BLOCK_POOL_MODULE, "BlockPool", "unpin_blocks", "unpin"),
     # A prefix hit takes cached blocks back into use.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "touch", "touch"),
     # A KV connector drops blocks from the prefix cache by id.

@@ -9,9 +9,9 @@ runs: a timer outside the method the instrumentation installed and one around
 vLLM's original inside it, so that what lies between (the hook's frame and
 everything it calls into ``EngineTelemetry``, ``PoolTracker`` and the
 exporter) is the instrumentation's time. The timers' own cost, measured the
-same way around an uninstrumented method, is subtracted. What it leaves out:
-whatever the instrumentation does to the rest of the loop (caches), which only
-the paired ratios see.
+same way around uninstrumented vLLM methods of the same loop (``CONTROLS``),
+is subtracted. What it leaves out: whatever the instrumentation does to the
+rest of the loop (caches), which only the paired ratios see.
 """
 
 from __future__ import annotations
@@ -62,19 +62,13 @@ class _Timers:
         self.calls.clear()
 
 
-def _timer_cost_ns() -> float:
-    """Outer minus inner time per call around a method nothing instruments: the timers' own share."""
-
-    class Empty:
-        def method(self, argument):
-            pass
-
-    timers = _Timers()
-    timed = timers.timing_outer(timers.timing_inner(Empty.method, "empty"), "empty")
-    bare = Empty()
-    for _ in range(200_000):
-        timed(bare, None)
-    return (timers.outer["empty"] - timers.inner["empty"]) / timers.calls["empty"]
+# Uninstrumented methods the loop calls about as often as the hooks (per step, per
+# release), timed the same way: outer minus inner there is the timers' own cost,
+# as the loop's caches leave it.
+CONTROLS = (
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "_update_after_schedule"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "free"),
+)
 
 
 def measure(workload_name: str, steps: int) -> dict:
@@ -92,6 +86,11 @@ def measure(workload_name: str, steps: int) -> dict:
     _instrument()
     for owner, method, key in hot:  # the methods the instrumentation installed
         setattr(owner, method, timers.timing_outer(getattr(owner, method), key))
+    controls = []
+    for module, owner_name, method in CONTROLS:
+        owner, key = getattr(importlib.import_module(module), owner_name), f"{owner_name}.{method}"
+        setattr(owner, method, timers.timing_outer(timers.timing_inner(getattr(owner, method), key), key))
+        controls.append(key)
 
     workload = {w.name: w for w in workloads()}[workload_name]
     driver = Driver(workload)
@@ -103,8 +102,13 @@ def measure(workload_name: str, steps: int) -> dict:
     driver.run(steps)
     step_seconds = (time.process_time() - started) / steps
     finished = driver.finished - finished
-    timer_ns = _timer_cost_ns()
-    ours = {key: timers.outer[key] - timers.inner[key] - timer_ns * calls for key, calls in timers.calls.items()}
+    control_ns = sum(timers.outer[key] - timers.inner[key] for key in controls)
+    timer_ns = control_ns / sum(timers.calls[key] for key in controls)
+    ours = {
+        key: timers.outer[key] - timers.inner[key] - timer_ns * calls
+        for key, calls in timers.calls.items()
+        if key not in controls
+    }
     ours_ns = sum(ours.values())
     by_point = {
         key: (value / steps / 1e3, timers.calls[key] / steps)
@@ -131,14 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         with context.Pool(1) as pool:  # a fresh process each: instrumenting is for life
             result = pool.apply(measure, (name, args.steps))
         print(
-            f"{name:<14} {result['step_ms']:.2f} ms/step | in otel-kvcache's hooks: {result['us_per_step']:.1f} us/step, "
-            f"{result['us_per_request']:.1f} us per finished request, {100 * result['share_of_step']:.2f} % of the "
-            f"uninstrumented step | timers {result['timer_ns']:.0f} ns/call subtracted",
+            f"{name:<14} {result['step_ms']:.2f} ms/step | in otel-kvcache's hooks: "
+            f"{result['us_per_step']:.1f} us/step, {result['us_per_request']:.1f} us per finished request, "
+            f"{100 * result['share_of_step']:.2f} % of the uninstrumented step | "
+            f"timers {result['timer_ns']:.0f} ns/call subtracted",
             flush=True,
         )
         for key, (us_per_step, calls_per_step) in result["by_hook_point_us_per_step"].items():
             per_call = us_per_step / calls_per_step if calls_per_step else 0.0
-            print(f"    {key:<42} {us_per_step:6.1f} us/step | {calls_per_step:5.2f} calls/step, {per_call:5.2f} us/call")
+            line = f"{us_per_step:6.1f} us/step | {calls_per_step:5.2f} calls/step, {per_call:5.2f} us/call"
+            print(f"    {key:<42} {line}")
     return 0
 
 

@@ -99,3 +99,15 @@ def test_state_stays_bounded_over_many_requests(make_engine, telemetry):
     tracked = engine.scheduler._otel_kvcache_engine.requests
     assert tracked == {}
     assert len(telemetry.kv_spans()) == 300 == len(engine.requests)
+
+
+def test_a_request_released_while_instrumentation_is_suppressed_gets_no_span(engine, telemetry):
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    engine.add(engine.make_request("quiet", prompt_len=20, max_tokens=3))
+    with suppress_instrumentation():
+        engine.run()
+    engine.add(engine.make_request("heard", prompt_len=20, max_tokens=3))
+    engine.run()
+    assert set(telemetry.span_by_request()) == {"heard"}
+    assert telemetry.blocks_by_state() == engine.pool_scan()  # the pool's accounting never paused

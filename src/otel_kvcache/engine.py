@@ -25,7 +25,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+# The key suppress_instrumentation() sets; read directly, as is_instrumentation_enabled()
+# costs five more Python calls (it also reads a legacy plain-string key) once per request.
+from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_current
 
 from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
@@ -239,7 +241,7 @@ class EngineTelemetry:
         if still_held:  # vLLM's free path kept the request's blocks: a leak, seen at once
             self.event(record, names.EVENT_LEAK, still_held, request.request_id)
         self.computed_tokens += request.num_computed_tokens + record.recomputed_tokens
-        if is_instrumentation_enabled():
+        if not get_current().get(_SUPPRESS_INSTRUMENTATION_KEY):
             # A plain tuple in FinishedRequest's field order: the cheapest to build and to pickle.
             self.exporter.request_ended(
                 (
@@ -271,8 +273,9 @@ class EngineTelemetry:
 
     # --- steps --------------------------------------------------------------------
 
-    def on_step_end(self) -> None:
-        """Once per engine step: publish the pool's counts for the gauges; chores when due."""
+    def on_step_end(self, engine_outputs: Any = None) -> None:
+        """Once per engine step (after ``update_from_output``, whose result is not
+        needed): publish the pool's counts for the gauges; chores when due."""
         self.step += 1
         self._publish_pool()
         now = time.monotonic()

@@ -40,11 +40,16 @@ After = Callable[[EngineTelemetry, Any, tuple, dict, Any], None]
 
 
 def _observing(
-    hook: str, errors: InstrumentationErrors, after: After | None = None, on_request: str | None = None
+    hook: str,
+    errors: InstrumentationErrors,
+    after: After | None = None,
+    on_request: str | None = None,
+    on_result: str | None = None,
 ) -> MethodBuilder:
     """After vLLM's call: ``after`` gets the engine, vLLM's object, its arguments and
-    the result; or, for hooks whose first argument is vLLM's request, the engine's
-    method named ``on_request`` gets that (no frame in between)."""
+    the result; or the engine's method named ``on_request`` gets vLLM's request
+    (the hook's first argument), or the one named ``on_result`` the result (no
+    frame in between)."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -52,7 +57,9 @@ def _observing(
             engine = getattr(self, ENGINE_ATTRIBUTE, None)
             if engine is not None:
                 try:
-                    if on_request is not None:
+                    if on_result is not None:
+                        getattr(engine, on_result)(result)
+                    elif on_request is not None:
                         getattr(engine, on_request)(args[0] if args else kwargs["request"])
                     else:
                         after(engine, self, args, kwargs, result)
@@ -130,14 +137,6 @@ def scheduler_init_wrapper(
     return wrapper
 
 
-def _scheduled(engine, scheduler, args, kwargs, output):
-    engine.on_scheduled(output)
-
-
-def _step_end(engine, scheduler, args, kwargs, result):
-    engine.on_step_end()
-
-
 def _prefix_lookup(engine, manager, args, kwargs, result):
     request = first_argument(args, kwargs, "request")
     num_hits = args[1] if len(args) > 1 else kwargs["num_hits"]
@@ -161,8 +160,8 @@ def build_wrappers(
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
         "preempt": lambda hook: _around(hook, errors, "before_preempt", "on_preempted"),
         "release": lambda hook: _around(hook, errors, "before_release", "on_released"),
-        "step_end": observing(_step_end),
-        "scheduled": observing(_scheduled),
+        "step_end": lambda hook: _observing(hook, errors, on_result="on_step_end"),
+        "scheduled": lambda hook: _observing(hook, errors, on_result="on_scheduled"),
         "admission_attempt": lambda hook: _observing(hook, errors, on_request="on_admission_attempt"),
         "prefix_lookup": observing(_prefix_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),

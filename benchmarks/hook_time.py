@@ -25,41 +25,36 @@ import time
 from time import perf_counter_ns
 
 
+def _timed(function, key: str, spent: collections.Counter, calls: collections.Counter):
+    """``function``, adding its time (and a call) under ``key``."""
+
+    def timed(*args, **kwargs):
+        started = perf_counter_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[key] += perf_counter_ns() - started
+            calls[key] += 1
+
+    return timed
+
+
 class _Timers:
     """Outer (around the installed method) and inner (around vLLM's) time per hook point."""
 
     def __init__(self) -> None:
         self.outer, self.inner, self.calls = collections.Counter(), collections.Counter(), collections.Counter()
+        self._inner_calls = collections.Counter()
 
     def timing_outer(self, function, key: str):
-        outer, calls = self.outer, self.calls
-
-        def timed(*args, **kwargs):
-            started = perf_counter_ns()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                outer[key] += perf_counter_ns() - started
-                calls[key] += 1
-
-        return timed
+        return _timed(function, key, self.outer, self.calls)
 
     def timing_inner(self, function, key: str):
-        inner = self.inner
-
-        def timed(*args, **kwargs):
-            started = perf_counter_ns()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                inner[key] += perf_counter_ns() - started
-
-        return timed
+        return _timed(function, key, self.inner, self._inner_calls)
 
     def clear(self) -> None:
-        self.outer.clear()
-        self.inner.clear()
-        self.calls.clear()
+        for counter in (self.outer, self.inner, self.calls, self._inner_calls):
+            counter.clear()
 
 
 # Uninstrumented methods the loop calls about as often as the hooks (per step, per

@@ -27,9 +27,9 @@ otherwise keeps vLLM's list of its blocks, indexed only if a take-back comes.
 
 Entries of the back part that hold no prefix are dead: ``unpin_blocks``
 (hisparse) appends blocks with or without a hash, and a KV connector's
-``evict_blocks`` drops the hash of free blocks in place. Where the head pops part of a run
-holding dead entries, the dead ones are taken to go first (their places are
-not kept); the counts are exact again once the run is gone.
+``evict_blocks`` drops the hash of free blocks in place. Where the head pops
+part of a run holding dead entries, the dead ones are taken to go first (their
+places are not kept); the counts are exact again once the run is gone.
 """
 
 from __future__ import annotations

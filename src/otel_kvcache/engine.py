@@ -71,7 +71,7 @@ class RequestRecord:
 
     def __init__(self, start_ns: int) -> None:
         self.start_ns = start_ns
-        self.events: list[tuple] = []  # export.EVENT_FIELDS
+        self.events: list[tuple] = []  # as in export.FinishedRequest.events
         self.peak = 0
         self.allocated = 0
         self.prefix_hit_blocks = 0
@@ -146,7 +146,7 @@ class EngineTelemetry:
         return held
 
     def event(self, record: RequestRecord, name: str, blocks: int, detail: Any) -> None:
-        """An event on the request's span to come, as ``export.EVENT_FIELDS``: a flat
+        """An event on the request's span to come, as ``FinishedRequest.events`` holds it: a flat
         tuple (no dict) is the cheapest to build and to pickle."""
         free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
         record.events.append((name, time.time_ns(), blocks, detail, free, self.pool.limit - free))

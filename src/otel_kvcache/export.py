@@ -37,8 +37,6 @@ _findings_logger = logging.getLogger("otel_kvcache.findings")
 # Span contexts of recently ended requests, so a later leak finding joins their trace.
 RECENTLY_ENDED = 4096
 
-EVENT_FIELDS = ("name", "time_ns", "blocks", "detail", "pool_free_blocks", "pool_used_blocks")
-"""A span event as the engine records it: a flat tuple of these."""
 EVENT_DETAIL = {
     names.EVENT_ADMITTED: names.EVENT_PREFIX_HIT_TOKENS,
     names.EVENT_RESUMED: names.EVENT_PREFIX_HIT_TOKENS,
@@ -75,7 +73,8 @@ class FinishedRequest(NamedTuple):
     stalls: int
     finish_reason: str
     events: list[tuple]
-    """``EVENT_FIELDS`` tuples."""
+    """Span events as flat tuples: ``(name, time_ns, blocks, detail, pool_free_blocks,
+    pool_used_blocks)``, the detail exported under ``EVENT_DETAIL[name]``."""
     still_held: int
     """Blocks vLLM still attributes to the request after releasing it: a leak."""
     engine_attributes: dict[str, Any]

@@ -294,7 +294,3 @@ class PoolTracker:
 
     def used_blocks(self) -> int:
         return self.limit - self.pool.get_num_free_blocks()
-
-    def snapshot(self) -> PoolSnapshot:
-        """As of the last ``settle``."""
-        return snapshot_of(self.free_seen, self.cached, self.limit)

@@ -22,7 +22,7 @@ from rich.console import Console
 from demo.load import LoadShape, run_load
 from demo.otlp_sink import OTLPSink
 from demo.report import format_summary, format_table, kv_spans, pool_summary, request_rows
-from demo.server import ServerConfig, VLLMServer
+from demo.server import ServerConfig, VLLMServer, requests_ended_on_their_own
 from demo.tiny_model import make_tiny_model
 from otel_kvcache import gate
 
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         progress.note(f"server {server.url}, telemetry to {endpoint}")
         with progress.step("running the load through the OpenAI API"):
             sent = asyncio.run(run_load(server.url, str(model), shape, progress=progress.note))
+        # vLLM's own view, to read the table against: which requests its engine ended.
+        time.sleep(1)  # the API server's stats trail the last responses
+        ended_in_engine = requests_ended_on_their_own(server.metrics_text())
     finally:
         with progress.step("stopping vLLM; its processes flush their telemetry"):
             server.stop()
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_summary(pool_summary(otlp / "metrics.jsonl")))
     print()
+    ended = ", ".join(f"{reason} {count}" for reason, count in sorted(ended_in_engine.items()))
+    print(f"vLLM's /metrics, requests its engine ended (vllm:request_success_total): {ended or 'none'};")
+    print(f"  the other {len(sent) - sum(ended_in_engine.values())} were aborted when their clients left")
     print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
     print(f"leak gate (otel-kvcache-gate --otlp-dir {otlp}):")
     leaks = gate.main(["--otlp-dir", str(otlp)])

@@ -112,7 +112,7 @@ async def shared_prefix_burst(client: LoadClient, count: int, max_tokens: int) -
     await asyncio.gather(*(client.complete("shared system prompt", p, max_tokens) for p in prompts))
 
 
-async def disconnecting_streams(client: LoadClient, count: int, chunks_before_leaving: int = 8) -> None:
+async def disconnecting_streams(client: LoadClient, count: int, chunks_before_leaving: int = 2) -> None:
     await asyncio.gather(
         *(
             client.stream_then_disconnect("client disconnects", f"Stream {i}: {QUESTIONS[i % 6]}", chunks_before_leaving)

@@ -12,6 +12,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -125,6 +127,19 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         self.process.wait()
+
+
+def requests_ended_on_their_own(metrics_text: str) -> dict[str, int]:
+    """vLLM's ``vllm:request_success_total`` by finish reason. vLLM counts a request
+    there only when the engine ends it; a client's abort is not among them."""
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "vllm:request_success":
+            for sample in family.samples:
+                if sample.name == "vllm:request_success_total":
+                    reason = sample.labels["finished_reason"]
+                    counts[reason] = counts.get(reason, 0) + int(sample.value)
+    return {reason: count for reason, count in counts.items() if count}
 
 
 def prometheus_value(metrics_text: str, name: str) -> float:

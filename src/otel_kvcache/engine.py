@@ -130,6 +130,7 @@ class EngineTelemetry:
             for type_manager in manager.coordinator.single_type_managers
         )
         self._scheduler_requests: dict[str, Any] = scheduler.requests
+        self._lookup_enabled = manager.prefix_cache_lookup_enabled
         self.reconciler = Reconciler(self, scheduler)
         self._chores_due = 0.0
         instruments.engines.add(self)
@@ -164,9 +165,11 @@ class EngineTelemetry:
     def on_admission_attempt(self, request: Any) -> None:
         self._attempted.append(request)
 
-    def on_prefix_cache_lookup(self, request: Any, num_hits: int, counted: bool) -> None:
+    def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
+        """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
+        (vLLM's arguments, as it passes them)."""
         self._record_of(request).pending_hit_tokens = num_hits
-        if counted:
+        if self._lookup_enabled(request):  # vLLM's own test for counting the lookup
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hits
 
@@ -277,7 +280,9 @@ class EngineTelemetry:
         """Once per engine step (after ``update_from_output``, whose result is not
         needed): publish the pool's counts for the gauges; chores when due."""
         self.step += 1
-        self._publish_pool()
+        pool = self.pool
+        pool.settle()
+        self.pool_counts = (pool.free_seen, pool.cached)  # _publish_pool(), without the call
         now = time.monotonic()
         if now >= self._chores_due:
             self._chores(now)

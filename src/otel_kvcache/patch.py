@@ -27,7 +27,6 @@ from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
 from otel_kvcache.resource import name_child_process_wrapper
-from otel_kvcache.vllm_compat import first_argument
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue."""
@@ -43,13 +42,12 @@ def _observing(
     hook: str,
     errors: InstrumentationErrors,
     after: After | None = None,
-    on_request: str | None = None,
+    on_call: str | None = None,
     on_result: str | None = None,
 ) -> MethodBuilder:
     """After vLLM's call: ``after`` gets the engine, vLLM's object, its arguments and
-    the result; or the engine's method named ``on_request`` gets vLLM's request
-    (the hook's first argument), or the one named ``on_result`` the result (no
-    frame in between)."""
+    the result; or the engine's method named ``on_call`` gets vLLM's own arguments,
+    or the one named ``on_result`` the result (no frame in between)."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -59,8 +57,8 @@ def _observing(
                 try:
                     if on_result is not None:
                         getattr(engine, on_result)(result)
-                    elif on_request is not None:
-                        getattr(engine, on_request)(args[0] if args else kwargs["request"])
+                    elif on_call is not None:
+                        getattr(engine, on_call)(*args, **kwargs)
                     else:
                         after(engine, self, args, kwargs, result)
                 except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
@@ -137,12 +135,6 @@ def scheduler_init_wrapper(
     return wrapper
 
 
-def _prefix_lookup(engine, manager, args, kwargs, result):
-    request = first_argument(args, kwargs, "request")
-    num_hits = args[1] if len(args) > 1 else kwargs["num_hits"]
-    engine.on_prefix_cache_lookup(request, num_hits, counted=manager.prefix_cache_lookup_enabled(request))
-
-
 def _prefix_cache_reset(engine, pool, args, kwargs, succeeded):
     if succeeded:
         engine.pool.on_reset()
@@ -162,8 +154,8 @@ def build_wrappers(
         "release": lambda hook: _around(hook, errors, "before_release", "on_released"),
         "step_end": lambda hook: _observing(hook, errors, on_result="on_step_end"),
         "scheduled": lambda hook: _observing(hook, errors, on_result="on_scheduled"),
-        "admission_attempt": lambda hook: _observing(hook, errors, on_request="on_admission_attempt"),
-        "prefix_lookup": observing(_prefix_lookup),
+        "admission_attempt": lambda hook: _observing(hook, errors, on_call="on_admission_attempt"),
+        "prefix_lookup": lambda hook: _observing(hook, errors, on_call="on_prefix_cache_lookup"),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
         "queue_prepend": lambda hook: _tracking_pool(hook, errors, "before_prepending"),
         "queue_append": lambda hook: _tracking_pool(hook, errors, "on_appending"),

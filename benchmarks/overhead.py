@@ -1,6 +1,6 @@
 """What otel-kvcache costs vLLM's scheduler loop, measured against the uninstrumented engine.
 
-    python -m benchmarks.overhead [--rounds N] [--pairs N] [--quick]
+    python -m benchmarks.overhead [--rounds N] [--pairs N] [--quick] [--take-apart]
 
 Each variant runs in its own process, driving the real V1 scheduler with fake
 model outputs at constant concurrency. The coordinator alternates timed chunks
@@ -18,7 +18,11 @@ string hashes, so the same scheduling decisions). The variants:
   periodic metric reader in the engine process;
 - ``base-again``: a second uninstrumented process, for the A/A spread;
 - anchors on decode-heavy: ``log_stats`` off, and vLLM's ``--kv-cache-metrics``
-  at sample rate 1.0.
+  at sample rate 1.0;
+- with ``--take-apart`` instead, on decode-heavy and churn: where the
+  instrumented side's time goes (``TAKE_APART``: a helper that exports
+  nothing, the hooks with the pool mirror's or the records' work emptied, or
+  all of it).
 """
 
 from __future__ import annotations
@@ -43,13 +47,44 @@ VARIANTS = {
     "base-again": {"instrumented": False, "log_stats": True},
     "no-log-stats": {"instrumented": False, "log_stats": False},
     "kv-cache-metrics-1.0": {"instrumented": False, "log_stats": True, "kv_cache_metrics_sample": 1.0},
+    # --take-apart: the instrumentation with parts of its work left out (diagnostics only:
+    # without them the telemetry is wrong). The helper building spans but exporting none;
+    # the hooks with the pool mirror's work, the per-request records' work, or both emptied.
+    "quiet-helper": {"instrumented": True, "log_stats": True, "helper_exports": False},
+    "no-mirror": {"instrumented": True, "log_stats": True, "emptied": "mirror"},
+    "no-records": {"instrumented": True, "log_stats": True, "emptied": "records"},
+    "frames-only": {"instrumented": True, "log_stats": True, "emptied": "mirror,records,step"},
+}
+TAKE_APART = ["base", "otel", "quiet-helper", "no-mirror", "no-records", "frames-only", "base-again"]
+
+# What --take-apart empties: the methods the hooks call into, by part.
+EMPTIED_METHODS = {
+    "mirror": ("PoolTracker", ("before_prepending", "on_appending", "on_touching", "before_unpinning", "settle")),
+    "records": (
+        "EngineTelemetry",
+        ("on_admission_attempt", "on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released"),
+    ),
+    "step": ("EngineTelemetry", ("on_step_end",)),
 }
 
 
 # --- the worker processes ------------------------------------------------------------
 
 
-def _instrument(export_interval_millis: int = 5_000):
+def _empty(parts: str) -> None:
+    """Leaves the named parts of the instrumentation's work out (``EMPTIED_METHODS``)."""
+    from otel_kvcache.engine import EngineTelemetry
+    from otel_kvcache.pool import PoolTracker
+
+    owners = {"EngineTelemetry": EngineTelemetry, "PoolTracker": PoolTracker}
+    for part in parts.split(","):
+        owner_name, methods = EMPTIED_METHODS[part]
+        owner = owners[owner_name]
+        for method in methods:
+            setattr(owner, method, lambda *args, **kwargs: None)
+
+
+def _instrument(export_interval_millis: int = 5_000, helper_exports: bool = True):
     """As under ``opentelemetry-instrument``: spans and request histograms built by
     the helper process, whose SDK comes from the environment (batch span
     processor and periodic metric reader into console exporters, whose output the
@@ -83,8 +118,8 @@ def _instrument(export_interval_millis: int = 5_000):
     meter_provider = MeterProvider(metric_readers=[reader])
     os.environ.update(
         OTEL_KVCACHE_EXPORTER_PROCESS="on",
-        OTEL_TRACES_EXPORTER="console",
-        OTEL_METRICS_EXPORTER="console",
+        OTEL_TRACES_EXPORTER="console" if helper_exports else "none",
+        OTEL_METRICS_EXPORTER="console" if helper_exports else "none",
         OTEL_LOGS_EXPORTER="none",
         OTEL_METRIC_EXPORT_INTERVAL=str(export_interval_millis),
     )
@@ -109,8 +144,10 @@ def _serve(connection: Connection, variant: dict, workload: Workload) -> None:
     """A forked child: one variant's scheduler, warmed up, running timed chunks on request."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
+    if variant.get("emptied"):
+        _empty(variant["emptied"])
     if variant.get("instrumented"):
-        _instrument()
+        _instrument(helper_exports=variant.get("helper_exports", True))
     driver = Driver(workload, variant["log_stats"], variant.get("kv_cache_metrics_sample"))
     driver.top_up()
     started = time.process_time()
@@ -276,8 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="fresh processes per variant, per workload")
     parser.add_argument("--pairs", type=int, default=12, help="chunks of each variant per round")
     parser.add_argument("--quick", action="store_true", help="decode-heavy only, few rounds")
+    parser.add_argument(
+        "--take-apart",
+        action="store_true",
+        help="instead: decode-heavy and churn against variants with parts of the work left out",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    if args.take_apart:
+        model_config()
+        for workload in (w for w in workloads() if w.name in ("decode-heavy", "churn")):
+            _print_taken_apart(paired(TAKE_APART, workload, args.rounds, args.pairs))
+        return 0
     selected = workloads()[:1] if args.quick else workloads()
     rounds, pairs = (2, 4) if args.quick else (args.rounds, args.pairs)
     model_config()  # made once, before the children are forked
@@ -346,6 +393,18 @@ def _print_workload(outcome: dict) -> None:
         f"helper {otel['helper_us_per_request']:.0f} us/request",
         flush=True,
     )
+
+
+def _print_taken_apart(outcome: dict) -> None:
+    for name in TAKE_APART[1:]:
+        variant = outcome[name]
+        ratio = variant["ratio"]
+        print(
+            f"{outcome['workload']:<14} {name:<13} vs base: median {ratio['median']:.4f} "
+            f"(p25 {ratio['p25']:.4f}, p75 {ratio['p75']:.4f}; rounds {_range(variant['round_ratios'])}) | "
+            f"{variant['us_per_step']:.1f} us/step | helper {variant['helper_us_per_request']:.0f} us/request",
+            flush=True,
+        )
 
 
 def _print_anchors(outcome: dict) -> None:

@@ -81,6 +81,7 @@ def _empty(parts: str) -> None:
         owner_name, methods = EMPTIED_METHODS[part]
         owner = owners[owner_name]
         for method in methods:
+            getattr(owner, method)  # renamed since? then fail here, not measure nothing
             setattr(owner, method, lambda *args, **kwargs: None)
 
 

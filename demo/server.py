@@ -129,23 +129,26 @@ class VLLMServer:
         self.process.wait()
 
 
-def requests_ended_on_their_own(metrics_text: str) -> dict[str, int]:
-    """vLLM's ``vllm:request_success_total`` by finish reason. vLLM counts a request
-    there only when the engine ends it; a client's abort is not among them."""
-    counts: dict[str, int] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name == "vllm:request_success":
-            for sample in family.samples:
-                if sample.name == "vllm:request_success_total":
-                    reason = sample.labels["finished_reason"]
-                    counts[reason] = counts.get(reason, 0) + int(sample.value)
-    return {reason: count for reason, count in counts.items() if count}
+def prometheus_samples(metrics_text: str, name: str) -> list:
+    """The samples named ``name`` (``..._total`` for a counter) in vLLM's /metrics text."""
+    return [
+        sample
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == name
+    ]
 
 
 def prometheus_value(metrics_text: str, name: str) -> float:
     """Sum of a metric's samples in vLLM's /metrics text."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(sample.value for sample in prometheus_samples(metrics_text, name))
+
+
+def requests_ended_on_their_own(metrics_text: str) -> dict[str, int]:
+    """vLLM's ``vllm:request_success_total`` by finish reason. vLLM counts a request
+    there only when the engine ends it; a client's abort is not among them."""
+    counts: dict[str, int] = {}
+    for sample in prometheus_samples(metrics_text, "vllm:request_success_total"):
+        reason = sample.labels["finished_reason"]
+        counts[reason] = counts.get(reason, 0) + int(sample.value)
+    return {reason: count for reason, count in counts.items() if count}

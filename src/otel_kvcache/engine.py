@@ -280,9 +280,7 @@ class EngineTelemetry:
         """Once per engine step (after ``update_from_output``, whose result is not
         needed): publish the pool's counts for the gauges; chores when due."""
         self.step += 1
-        pool = self.pool
-        pool.settle()
-        self.pool_counts = (pool.free_seen, pool.cached)  # _publish_pool(), without the call
+        self._publish_pool()
         now = time.monotonic()
         if now >= self._chores_due:
             self._chores(now)
@@ -291,6 +289,11 @@ class EngineTelemetry:
         self.reconciler.maybe_run(now)
         self.exporter.flush_if_due(now)
         self._chores_due = min(self.reconciler.due, self.exporter.due)
+
+    def on_prefix_cache_reset(self, succeeded: bool) -> None:
+        """After ``reset_prefix_cache``: if it succeeded, no block holds a prefix."""
+        if succeeded:
+            self.pool.on_reset()
 
     def _publish_pool(self) -> None:
         """What vLLM popped off the free queue since the last look, then the gauges' counts."""

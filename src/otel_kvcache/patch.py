@@ -35,19 +35,13 @@ ExporterFactory = Callable[[], Any]
 """Returns the exporter a new engine hands its finished requests to (``export.py``)."""
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 MethodBuilder = Callable[[Callable[..., Any]], Callable[..., Any]]
-After = Callable[[EngineTelemetry, Any, tuple, dict, Any], None]
 
 
 def _observing(
-    hook: str,
-    errors: InstrumentationErrors,
-    after: After | None = None,
-    on_call: str | None = None,
-    on_result: str | None = None,
+    hook: str, errors: InstrumentationErrors, on_call: str | None = None, on_result: str | None = None
 ) -> MethodBuilder:
-    """After vLLM's call: ``after`` gets the engine, vLLM's object, its arguments and
-    the result; or the engine's method named ``on_call`` gets vLLM's own arguments,
-    or the one named ``on_result`` the result (no frame in between)."""
+    """After vLLM's call, the engine's method named ``on_call`` gets vLLM's own
+    arguments, or the one named ``on_result`` gets vLLM's result (no frame in between)."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -57,10 +51,8 @@ def _observing(
                 try:
                     if on_result is not None:
                         getattr(engine, on_result)(result)
-                    elif on_call is not None:
-                        getattr(engine, on_call)(*args, **kwargs)
                     else:
-                        after(engine, self, args, kwargs, result)
+                        getattr(engine, on_call)(*args, **kwargs)
                 except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
                     errors.record(hook, exc)
             return result
@@ -135,19 +127,10 @@ def scheduler_init_wrapper(
     return wrapper
 
 
-def _prefix_cache_reset(engine, pool, args, kwargs, succeeded):
-    if succeeded:
-        engine.pool.on_reset()
-
-
 def build_wrappers(
     exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
 ) -> dict[str, Callable[[str], Wrapper | MethodBuilder]]:
     """Role -> a factory taking the hook's name; factories run only once vLLM is imported."""
-
-    def observing(after: After) -> Callable[[str], MethodBuilder]:
-        return lambda hook: _observing(hook, errors, after)
-
     return {
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
         "preempt": lambda hook: _around(hook, errors, "before_preempt", "on_preempted"),
@@ -161,7 +144,7 @@ def build_wrappers(
         "queue_append": lambda hook: _tracking_pool(hook, errors, "on_appending"),
         "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
         "unpin": lambda hook: _tracking_pool(hook, errors, "before_unpinning"),
-        "reset_prefix_cache": observing(_prefix_cache_reset),
+        "reset_prefix_cache": lambda hook: _observing(hook, errors, on_result="on_prefix_cache_reset"),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
         "name_child_process": lambda hook: name_child_process_wrapper(hook, errors),

@@ -92,6 +92,40 @@ def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_ex
     assert telemetry.total(names.PREEMPTIONS) == sum(r.num_preemptions for r in requests)
 
 
+def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, helper_exports_to):
+    """More finished requests than the default 64 kB pipe holds: when the engine goes
+    idle, all of them reach the backend, not one pipe-full (the rest would wait
+    for the next request, or the exit)."""
+    import time
+
+    from engine_harness import EngineHarness, make_scheduler
+
+    sink = helper_exports_to
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=Telemetry().meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=512, max_num_seqs=256))
+        requests = [engine.add(engine.make_request(f"burst-{i:04d}", prompt_len=20, max_tokens=2)) for i in range(1200)]
+        engine.run()
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        assert exporter.dropped == 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            received = {
+                attributes_of(span.attributes)[names.REQUEST_ID]
+                for _, span in sink.spans()
+                if span.name == names.KV_REQUEST_SPAN
+            }
+            if len(received) == len(requests):
+                break
+            time.sleep(0.2)
+    finally:
+        instrumentor.uninstrument()
+    assert received == {r.request_id for r in requests}
+    assert all(r.num_output_tokens == 2 for r in requests)
+    exporter.close()
+
+
 def test_a_dead_helper_costs_its_spans_never_vllm(model_config, helper_exports_to):
     from engine_harness import EngineHarness, make_scheduler
 

@@ -4,9 +4,10 @@
 requests (``FinishedRequest`` fields) and ``Finding`` tuples and, every
 ``FLUSH_SECONDS`` (or ``BATCH`` requests, or when the engine goes idle), writes
 them as one pickled frame to the stdin of ``python -m
-otel_kvcache.exporter_process``. The pipe is
-non-blocking: if the helper falls behind by more than ``MAX_BUFFERED_BYTES``,
-batches are dropped and counted, never waited for.
+otel_kvcache.exporter_process``. The pipe is non-blocking and as large as
+Linux lets it be made (``PIPE_BYTES``); what it cannot take at once is
+written again ``RETRY_SECONDS`` later. If the helper falls behind by more than
+``MAX_BUFFERED_BYTES``, batches are dropped and counted, never waited for.
 
 The helper configures the OpenTelemetry SDK from the inherited ``OTEL_*``
 environment (by ``opentelemetry-instrument``'s sitecustomize, or here if it
@@ -18,6 +19,7 @@ closes, i.e. when the EngineCore exits.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import logging
 import os
@@ -38,6 +40,9 @@ _logger = logging.getLogger(__name__)
 # each write wakes the helper, tens of microseconds of the engine thread.
 FLUSH_SECONDS = 1.0
 BATCH = 1024
+# A second of a busy engine's records is a few hundred kB; the default pipe holds 64 kB.
+PIPE_BYTES = 1 << 20
+RETRY_SECONDS = 0.05
 MAX_BUFFERED_BYTES = 8 << 20
 _FRAME_HEADER = struct.Struct("<I")
 HOOK = "exporter_process"
@@ -69,6 +74,10 @@ class ExporterProcess:
         )
         self._fd = self.process.stdin.fileno()
         os.set_blocking(self._fd, False)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (AttributeError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size
+            pass
         self._requests: list[tuple] = []  # FinishedRequest fields
         self._findings: list[Finding] = []
         self._outgoing = bytearray()
@@ -88,10 +97,11 @@ class ExporterProcess:
         self.flush()
 
     def flush_if_due(self, now: float) -> None:
-        """Sends what is pending every ``FLUSH_SECONDS`` (the engine calls when ``due``)."""
+        """Sends what is pending every ``FLUSH_SECONDS``, and what the pipe could not
+        take every ``RETRY_SECONDS`` (the engine calls when ``due``)."""
         if now >= self.due:
-            self.due = now + FLUSH_SECONDS
             self.flush()
+            self.due = now + (RETRY_SECONDS if self._outgoing else FLUSH_SECONDS)
 
     def flush(self) -> None:
         if self._requests or self._findings:
@@ -108,20 +118,29 @@ class ExporterProcess:
                     self._outgoing += _FRAME_HEADER.pack(len(frame))
                     self._outgoing += frame
                     self._outgoing_records += records
-        if self._outgoing:
+        written = self._write_what_fits()
+        if written < 0:  # the helper exited
+            self._helper_gone = True
+            self._outgoing.clear()
+            self._drop(self._outgoing_records)
+            self._outgoing_records = 0
+            return
+        del self._outgoing[:written]
+        if not self._outgoing:
+            self._outgoing_records = 0
+
+    def _write_what_fits(self) -> int:
+        """Bytes of ``_outgoing`` the pipe took, until it is full; -1 if the helper is gone."""
+        written = 0
+        with memoryview(self._outgoing) as pending:
             try:
-                written = os.write(self._fd, self._outgoing)
+                while written < len(pending):
+                    written += os.write(self._fd, pending[written:])
             except BlockingIOError:
-                return
-            except OSError:  # the helper exited
-                self._helper_gone = True
-                self._outgoing.clear()
-                self._drop(self._outgoing_records)
-                self._outgoing_records = 0
-                return
-            del self._outgoing[:written]
-            if not self._outgoing:
-                self._outgoing_records = 0
+                pass
+            except OSError:
+                return -1
+        return written
 
     def _drop(self, count: int) -> None:
         self.dropped += count

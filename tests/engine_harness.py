@@ -166,8 +166,10 @@ class EngineHarness:
 
     # --- stepping -----------------------------------------------------------------
 
-    def step(self):
+    def step(self, after_schedule=None):
         output = self.scheduler.schedule()
+        if after_schedule is not None:  # where the model would run: the instrumentation's chores ran
+            after_schedule(self)
         for request_id in self.scheduler.requests:
             held = self.held_blocks(request_id)
             self.truth.peak_blocks[request_id] = max(self.truth.peak_blocks[request_id], held)
@@ -191,11 +193,11 @@ class EngineHarness:
         self.steps += 1
         return output
 
-    def run(self, max_steps: int = 2000, after_step=None) -> None:
+    def run(self, max_steps: int = 2000, after_step=None, after_schedule=None) -> None:
         for _ in range(max_steps):
             if not self.scheduler.has_requests():
                 return
-            self.step()
+            self.step(after_schedule)
             if after_step is not None:
                 after_step(self)
         raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -56,8 +56,8 @@ def test_uninstrument_restores_every_patched_callable(telemetry):
 
 def test_a_missing_hook_point_is_reported_once_and_the_rest_still_works(caplog):
     module = "vllm.v1.core.sched.scheduler"
-    missing = HookPoint(module, "Scheduler", "_method_vllm_never_had", "step_end", hot=False)
-    present = HookPoint(module, "Scheduler", "get_request_counts", "step_end", hot=False)
+    missing = HookPoint(module, "Scheduler", "_method_vllm_never_had", "counted", hot=False)
+    present = HookPoint(module, "Scheduler", "get_request_counts", "counted", hot=False)
     calls = []
 
     def factory(hook):
@@ -67,7 +67,7 @@ def test_a_missing_hook_point_is_reported_once_and_the_rest_still_works(caplog):
 
         return wrapper
 
-    patcher = LazyPatcher([missing, present], {"step_end": factory})
+    patcher = LazyPatcher([missing, present], {"counted": factory})
     with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
         patcher.start()
     try:

@@ -159,7 +159,7 @@ def test_tail_slack_and_prefix_composition_match_vllms_state(leak_settings, monk
         assert _gauge(telemetry, names.TAIL_SLACK_RATIO) == (slack / (used * harness.block_size) if used else 0)
         assert 0 <= _gauge(telemetry, names.CACHED_BLOCKS_HIT_AGAIN) <= harness.pool_scan()["cached"]
 
-    engine.run(after_step=check)
+    engine.run(after_schedule=check)  # reconciliation passes run once schedule() returned
     # More requests than the pool holds: cached prefixes were evicted, and aged.
     assert engine.events.removed_hashes > 0
     assert _gauge(telemetry, names.EVICTIONS) == engine.events.removed_hashes

@@ -74,7 +74,6 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
             "on_preempted",
             "before_release",
             "on_released",
-            "on_step_end",
         ):
             monkeypatch.setattr(EngineTelemetry, method, _fail)
         for method in ("before_prepending", "on_appending", "on_touching", "on_reset", "settle"):
@@ -89,7 +88,7 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
     errors = telemetry.points(names.INSTRUMENTATION_ERRORS)
     hooks = {p.attributes[names.HOOK] for p in errors}
     assert {"Scheduler.schedule", "Scheduler._get_local_prefix_cache_hit",
-            "Scheduler._free_blocks", "Scheduler._preempt_request", "Scheduler.update_from_output",
+            "Scheduler._free_blocks", "Scheduler._preempt_request",
             "KVCacheManager.record_prefix_cache_stats", "FreeKVCacheBlockQueue.prepend_n",
             "FreeKVCacheBlockQueue.append_n", "BlockPool.touch"} <= hooks
     assert sum(p.value for p in errors) > len(hooks)  # counted every time...

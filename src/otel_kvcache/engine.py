@@ -6,12 +6,11 @@ thread, so it is written for the scheduler's hot loop:
 
 - nothing runs per scheduled request per step: a request is looked at when it
   is admitted, preempted or released (its record is made at its first
-  admission attempt), and a step costs a handful of attribute reads and one
-  clock read; the chores (reconciliation, the hand-over to the exporter) run
-  when one is due;
-- counters are plain integers, read by observable counters on the metric
-  reader's thread; the gauges read ``snapshot``, made from the pool's counts
-  that each step publishes as one tuple;
+  admission attempt), and a step costs, after ``schedule()``, settling what
+  the step's allocations popped off the free queue and one clock read; the
+  chores (reconciliation, the hand-over to the exporter) run when one is due;
+- counters are plain integers, and the pool's counts are read as they are,
+  by observable instruments on the metric reader's thread (``snapshot``);
 - a live request costs a small record (counts, events with their
   timestamps), not an SDK span. At release the record is packed into a
   ``FinishedRequest`` for the exporter (``export.py``), which builds the span,
@@ -38,10 +37,10 @@ from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
 from otel_kvcache.vllm_compat import (
     engine_index,
     finish_reason,
+    held_blocks_counter,
     is_waiting_for_blocks,
     kv_bytes_per_block,
     may_hold_null_blocks,
-    real_blocks,
     request_being_scheduled,
 )
 
@@ -116,7 +115,6 @@ class EngineTelemetry:
         self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
         self.requests: dict[str, RequestRecord] = {}
         self.step = 0
-        self.pool_counts = (self.pool.free_seen, self.pool.cached)
         # Cumulative counters, exported by observable counters.
         self.preemptions = 0
         self.prefix_cache_queries = 0
@@ -129,6 +127,8 @@ class EngineTelemetry:
             (type_manager, may_hold_null_blocks(type_manager))
             for type_manager in manager.coordinator.single_type_managers
         )
+        self.held_blocks = held_blocks_counter(self._type_managers)
+        """Blocks the KV manager holds for a request now, across all groups."""
         self._scheduler_requests: dict[str, Any] = scheduler.requests
         self._lookup_enabled = manager.prefix_cache_lookup_enabled
         self.reconciler = Reconciler(self, scheduler)
@@ -136,15 +136,6 @@ class EngineTelemetry:
         instruments.engines.add(self)
 
     # --- helpers ------------------------------------------------------------
-
-    def held_blocks(self, request_id: str) -> int:
-        """Blocks the KV manager holds for a request now, across all groups."""
-        held = 0
-        for manager, with_null_blocks in self._type_managers:
-            blocks = manager.req_to_blocks.get(request_id)
-            if blocks:
-                held += real_blocks(blocks, with_null_blocks)
-        return held
 
     def event(self, record: RequestRecord, name: str, blocks: int, detail: Any) -> None:
         """An event on the request's span to come, as ``FinishedRequest.events`` holds it: a flat
@@ -174,7 +165,8 @@ class EngineTelemetry:
             self.prefix_cache_hits += num_hits
 
     def on_scheduled(self, output: Any) -> None:
-        """After ``schedule()``: the step's admissions, and the attempts that found no blocks."""
+        """After ``schedule()``, once a step: the step's admissions, the attempts that
+        found no blocks, the evictions of its allocations; chores when due."""
         admitted = [new.req_id for new in output.scheduled_new_reqs]
         admitted.extend(output.scheduled_cached_reqs.resumed_req_ids)
         for request_id in admitted:
@@ -188,6 +180,11 @@ class EngineTelemetry:
                 if request.request_id not in admitted_ids and is_waiting_for_blocks(request):
                     self.on_stall(request)
             self._attempted.clear()
+        self.pool.settle()
+        self.step += 1
+        now = time.monotonic()
+        if now >= self._chores_due:
+            self._chores(now)
 
     def _admitted(self, record: RequestRecord, request_id: str) -> None:
         hit_tokens, record.pending_hit_tokens = record.pending_hit_tokens, 0
@@ -269,21 +266,12 @@ class EngineTelemetry:
                 )
             )
         if not self._scheduler_requests:
-            # An idle engine takes no steps (an abort can free blocks then): publish and look now.
-            self._publish_pool()
+            # An idle engine takes no steps (an abort can free blocks then): look now.
+            self.pool.settle()
             self.reconciler.run()
             self.exporter.flush()
 
-    # --- steps --------------------------------------------------------------------
-
-    def on_step_end(self, engine_outputs: Any = None) -> None:
-        """Once per engine step (after ``update_from_output``, whose result is not
-        needed): publish the pool's counts for the gauges; chores when due."""
-        self.step += 1
-        self._publish_pool()
-        now = time.monotonic()
-        if now >= self._chores_due:
-            self._chores(now)
+    # --- chores and readings ---------------------------------------------------------
 
     def _chores(self, now: float) -> None:
         self.reconciler.maybe_run(now)
@@ -295,13 +283,7 @@ class EngineTelemetry:
         if succeeded:
             self.pool.on_reset()
 
-    def _publish_pool(self) -> None:
-        """What vLLM popped off the free queue since the last look, then the gauges' counts."""
-        pool = self.pool
-        pool.settle()
-        self.pool_counts = (pool.free_seen, pool.cached)
-
     @property
     def snapshot(self) -> PoolSnapshot:
-        """The pool as of the end of the last step (read on the metric reader's thread)."""
-        return snapshot_of(*self.pool_counts, self.pool.limit)
+        """The pool now (read on the metric reader's thread, see ``PoolTracker.counts``)."""
+        return snapshot_of(*self.pool.counts(), self.pool.limit)

@@ -53,9 +53,8 @@ class KVCacheInstruments:
     """The counters and pool gauges the metric reader's thread observes (the
     per-request histograms are recorded where spans are built: ``export.py``).
 
-    Observable instruments read integers the engine thread keeps and the
-    snapshot each engine published at the end of its last step, never vLLM's
-    live structures.
+    Observable instruments read integers the engine thread keeps, and the free
+    queue's length (one integer of vLLM's), never walk vLLM's structures.
     """
 
     def __init__(self, meter: Meter) -> None:
@@ -69,7 +68,7 @@ class KVCacheInstruments:
             unit="{error}",
             description="Errors inside otel-kvcache; vLLM kept running.",
         )
-        # The pool's state, from each engine's last published snapshot and counters.
+        # The pool's state, as each engine's tracker counts it now.
         for name, unit, description, callback in (
             (names.BLOCKS, "{block}", "KV-cache blocks by state: used, cached (evictable prefix), free.",
              self._observe_blocks),

@@ -1,8 +1,9 @@
 """Reconciles the block pool against its owners: orphaned blocks, zombie and stuck requests, waste.
 
-Runs on the engine thread at the end of the first step after
-``OTEL_KVCACHE_RECONCILE_SECONDS`` (and when the engine runs out of requests,
-since an idle engine takes no steps). One pass is O(live requests + blocks
+Runs on the engine thread once ``schedule()`` returns, in the first step after
+``OTEL_KVCACHE_RECONCILE_SECONDS`` (the scheduler's state is whole then: in
+vLLM the model runs next), and when the engine runs out of requests, since an
+idle engine takes no steps. One pass is O(live requests + blocks
 marked as hit) in Python and O(blocks) in C (the pool's reference sum): under
 a millisecond for 10,000 blocks. The next pass waits at least 1,000 times as
 long as the last took (``RECONCILE_BUDGET``), so whatever the pool size and

@@ -135,7 +135,6 @@ def build_wrappers(
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
         "preempt": lambda hook: _around(hook, errors, "before_preempt", "on_preempted"),
         "release": lambda hook: _around(hook, errors, "before_release", "on_released"),
-        "step_end": lambda hook: _observing(hook, errors, on_result="on_step_end"),
         "scheduled": lambda hook: _observing(hook, errors, on_result="on_scheduled"),
         "admission_attempt": lambda hook: _observing(hook, errors, on_call="on_admission_attempt"),
         "prefix_lookup": lambda hook: _observing(hook, errors, on_call="on_prefix_cache_lookup"),

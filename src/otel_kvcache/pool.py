@@ -14,9 +14,9 @@ latter (``prepend_n``, ``append_n``), ``get_new_blocks`` pops from the head,
 as runs, one per ``append_n`` call (blocks cached at the same instant, in
 queue order). Whatever else left the free queue since the tracker last looked
 was popped from the head (``settle``, before ``prepend_n`` grows the front
-part, and at the end of each step): the pops beyond the front part evicted the
-back part's first blocks, which gives the evictions and their ages exactly, at
-O(runs) rather than O(blocks).
+part, and once ``schedule()`` returns each step): the pops beyond the front
+part evicted the back part's first blocks, which gives the evictions and
+their ages exactly, at O(runs) rather than O(blocks).
 
 Which run a block is in matters only when a prefix hit takes free blocks back
 (or a connector evicts them), and writing it down costs a few hundred
@@ -84,7 +84,6 @@ class PoolTracker:
         "evictions",
         "eviction_age_sum",
         "eviction_age_max",
-        "free_seen",  # free blocks at the last settle
         "_block_hash",
         "_runs",
         "_run_of",
@@ -122,14 +121,13 @@ class PoolTracker:
         self.cached = self._queued = len(cached)
         self._empty_runs = 0
         self._eager_appends = 0
-        self.free_seen = self.queue.num_free_blocks
 
     # --- what vLLM did -------------------------------------------------------------
 
     def settle(self) -> None:
         """Blocks that left the free queue since the last look were popped from its
         head; those past the front (hashless) part were evicted from the prefix cache."""
-        free = self.free_seen = self.queue.num_free_blocks
+        free = self.queue.num_free_blocks
         # The back part is free blocks: whatever it holds beyond them was popped.
         popped_from_back = self._queued - free
         if popped_from_back > 0:
@@ -268,6 +266,15 @@ class PoolTracker:
         self._rebuild()
 
     # --- readings ------------------------------------------------------------------
+
+    def counts(self) -> tuple[int, int]:
+        """Free blocks, and how many of them are cached, for the gauges: read on
+        the metric reader's thread, without settling (that is the engine thread's).
+        Entries popped off the back part since the last settle are taken as
+        evicted (dead ones are rare and only there until the next settle); a
+        read in the middle of a step sees the step so far."""
+        free = self.queue.num_free_blocks
+        return free, self.cached - max(self._queued - free, 0)
 
     def take_eviction_age_max(self) -> float:
         """The oldest eviction since the last call (the gauge's reading), then reset."""

@@ -9,6 +9,7 @@ name and the others keep working.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
@@ -41,7 +42,8 @@ class HookPoint(NamedTuple):
 HOOK_POINTS: tuple[HookPoint, ...] = (
     # Builds the engine's KV telemetry right after vLLM built its KV manager.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "__init__", "scheduler_init", hot=False),
-    # Once per step; its output lists the step's new and resumed requests.
+    # Once per step; its output lists the step's new and resumed requests. The
+    # step's work is done after it (the pool's gauges are read as they are).
     HookPoint(SCHEDULER_MODULE, "Scheduler", "schedule", "scheduled"),
     # The waiting loop's prefix lookup: one call per admission attempt of a
     # new or preempted request, before its blocks are allocated.
@@ -51,8 +53,6 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # Every finished request (stopped, aborted, errored, after a delayed
     # connector free) gives its blocks back here; they are popped inside.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "_free_blocks", "release"),
-    # Runs once per engine step, after the step's frees.
-    HookPoint(SCHEDULER_MODULE, "Scheduler", "update_from_output", "step_end"),
     # Called once per successful admission with the local prefix-hit tokens
     # (get_computed_blocks also runs for admissions that fail and over-counts).
     HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "record_prefix_cache_stats", "prefix_lookup"),
@@ -166,6 +166,25 @@ def real_blocks(blocks: Any, may_hold_null: bool = True) -> int:
     """Blocks in a block list, vLLM's null block (a placeholder) left out; with
     ``may_hold_null`` false (``may_hold_null_blocks``), just its length."""
     return len(blocks) - countOf(map(_IS_NULL, blocks), True) if may_hold_null else len(blocks)
+
+
+def held_blocks_counter(type_managers: tuple[tuple[Any, bool], ...]) -> Callable[[str], int]:
+    """A function counting the blocks the KV manager holds for a request, across its
+    groups (``(manager, may_hold_null_blocks(manager))`` pairs). With one plain
+    full-attention group, the most common model, that is one list's length."""
+    if len(type_managers) == 1 and not type_managers[0][1]:
+        blocks_of = type_managers[0][0].req_to_blocks.get  # a dict vLLM keeps for the manager's life
+        return lambda request_id: len(blocks_of(request_id, ()))
+
+    def held_blocks(request_id: str) -> int:
+        held = 0
+        for manager, with_null_blocks in type_managers:
+            blocks = manager.req_to_blocks.get(request_id)
+            if blocks:
+                held += real_blocks(blocks, with_null_blocks)
+        return held
+
+    return held_blocks
 
 
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:

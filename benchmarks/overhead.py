@@ -5,10 +5,13 @@
 Each variant runs in its own process, driving the real V1 scheduler with fake
 model outputs at constant concurrency. The coordinator alternates timed chunks
 between them (a pair = one chunk of each, in rotating order), so drifts of the
-machine hit all sides of a pair; and since a process's memory layout alone
-moves its speed by a few % for its whole life, each workload takes several
-rounds, each with freshly forked processes (forks of one process: the same
-string hashes, so the same scheduling decisions). The variants:
+machine hit all sides of a pair. A process's memory layout alone moves its
+speed by a few % for its whole life, so each workload takes many rounds, each
+with fresh processes: each variant warms up once, in a template process, and
+every round forks a worker from it (forks of one process: the same string
+hashes, so the same scheduling decisions; every round runs the same steps).
+The workers take turns on one CPU; the rest (templates, this process, the
+helper process) runs on the others. The variants:
 
 - ``base``: uninstrumented, vLLM's ``log_stats`` on (its default when serving);
 - ``otel``: instrumented as under ``opentelemetry-instrument``: every request
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -40,6 +44,10 @@ from multiprocessing.connection import Connection
 from benchmarks.scheduler_driver import Driver, Workload, model_config, workloads
 
 CHUNK_SECONDS = 0.15
+# The timed workers take turns on one CPU; everything else (this process, the
+# templates, the instrumented side's helper process) runs on the others.
+TIMED_CPU = max(os.sched_getaffinity(0))
+OTHER_CPUS = (os.sched_getaffinity(0) - {TIMED_CPU}) or {TIMED_CPU}
 
 VARIANTS = {
     "base": {"instrumented": False, "log_stats": True},
@@ -53,7 +61,7 @@ VARIANTS = {
     "quiet-helper": {"instrumented": True, "log_stats": True, "helper_exports": False},
     "no-mirror": {"instrumented": True, "log_stats": True, "emptied": "mirror"},
     "no-records": {"instrumented": True, "log_stats": True, "emptied": "records"},
-    "frames-only": {"instrumented": True, "log_stats": True, "emptied": "mirror,records,step"},
+    "frames-only": {"instrumented": True, "log_stats": True, "emptied": "mirror,records"},
 }
 TAKE_APART = ["base", "otel", "quiet-helper", "no-mirror", "no-records", "frames-only", "base-again"]
 
@@ -64,7 +72,6 @@ EMPTIED_METHODS = {
         "EngineTelemetry",
         ("on_admission_attempt", "on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released"),
     ),
-    "step": ("EngineTelemetry", ("on_step_end",)),
 }
 
 
@@ -142,9 +149,11 @@ def _helper_cpu_seconds(driver) -> float:
 
 
 def _serve(connection: Connection, variant: dict, workload: Workload) -> None:
-    """A forked child: one variant's scheduler, warmed up, running timed chunks on request."""
+    """A variant's template: builds and warms its scheduler once, then forks a fresh
+    worker per round from that state, and waits for it while it runs the round."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
+    os.sched_setaffinity(0, OTHER_CPUS)  # the helper process it starts too
     if variant.get("emptied"):
         _empty(variant["emptied"])
     if variant.get("instrumented"):
@@ -156,10 +165,22 @@ def _serve(connection: Connection, variant: dict, workload: Workload) -> None:
     step_seconds = (time.process_time() - started) / driver.steps
     freeze_gc_heap()  # as vLLM's EngineCore does once it is warm
     connection.send(step_seconds)
-    while True:
-        steps = connection.recv()
-        if steps is None:
-            return
+    while (steps := connection.recv()) is not None:
+        worker = os.fork()
+        if worker == 0:  # the round's process: the connection is its own until it exits
+            try:
+                _run_round(connection, driver, steps)
+            finally:
+                os._exit(0)
+        os.waitpid(worker, 0)
+
+
+def _run_round(connection: Connection, driver: Driver, steps: int) -> None:
+    """A worker: timed chunks of ``steps`` steps on request, from the template's state."""
+    os.sched_setaffinity(0, {TIMED_CPU})
+    driver.run(steps)  # untimed: the first writes to each page copy it (the fork's cost)
+    connection.send("ready")
+    while (steps := connection.recv()) is not None:
         # CPU time of the whole process: work moved to the SDK's threads is still counted.
         finished, started, helper = driver.finished, time.process_time(), _helper_cpu_seconds(driver)
         driver.run(steps)
@@ -167,8 +188,9 @@ def _serve(connection: Connection, variant: dict, workload: Workload) -> None:
         connection.send((elapsed, driver.finished - finished, _helper_cpu_seconds(driver) - helper))
 
 
-class Child:
-    """One variant in a process forked from this one (vLLM already imported: quick to start)."""
+class Variant:
+    """One variant's template process, forked from this one (vLLM already imported:
+    quick to start), and the round's worker it forks in turn."""
 
     def __init__(self, name: str, workload: Workload) -> None:
         self.connection, child = multiprocessing.Pipe()
@@ -178,11 +200,20 @@ class Child:
         self.process.start()
 
     def warm(self) -> float:
+        """Seconds per step while warming up."""
         return self.connection.recv()
+
+    def start_round(self, steps: int) -> None:
+        """A fresh worker, after one untimed chunk of ``steps``."""
+        self.connection.send(steps)
+        assert self.connection.recv() == "ready"
 
     def run(self, steps: int) -> tuple[float, int, float]:
         self.connection.send(steps)
         return self.connection.recv()
+
+    def end_round(self) -> None:
+        self.connection.send(None)
 
     def close(self) -> None:
         self.connection.send(None)
@@ -202,33 +233,37 @@ def paired(names: list[str], workload: Workload, rounds: int, pairs: int, agains
     """Ratios of each variant to ``against``, pair by pair, over ``rounds`` sets of fresh processes.
 
     A process's memory layout alone moves its speed by a few %, for its whole
-    life: each round forks a fresh process per variant (in turn first), and
-    within a round the variants take turns in rotating order, a chunk each."""
+    life, so the rounds, not the pairs, are what averages it out: each variant
+    warms up once, in a template process, and each round forks a fresh worker
+    per variant from its template (all rounds start from the same state: they
+    run the same steps). Within a round the variants take turns in rotating
+    order, a chunk each."""
     times: dict[str, list[float]] = {name: [] for name in names}
     finished: dict[str, list[int]] = {name: [] for name in names}
     helper: dict[str, list[float]] = {name: [] for name in names}
     round_ratios: dict[str, list[float]] = {name: [] for name in names}
-    base_steps = []
-    for round_index in range(rounds):
-        order = names[round_index % len(names) :] + names[: round_index % len(names)]
-        children = {name: Child(name, workload) for name in order}
-        try:
-            step_seconds = {name: child.warm() for name, child in children.items()}
-            steps = max(2, int(CHUNK_SECONDS / step_seconds[against]))
-            base_steps.append(steps)
+    variants = {name: Variant(name, workload) for name in names}
+    try:
+        step_seconds = {name: variant.warm() for name, variant in variants.items()}
+        steps = max(2, int(CHUNK_SECONDS / step_seconds[against]))
+        for round_index in range(rounds):
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
+            for name in order:
+                variants[name].start_round(steps)
             start = len(times[against])
             for pair in range(pairs):
                 turn = pair % len(order)
                 for name in order[turn:] + order[:turn]:
-                    elapsed, done, helper_seconds = children[name].run(steps)
+                    elapsed, done, helper_seconds = variants[name].run(steps)
                     times[name].append(elapsed / steps)
                     finished[name].append(done)
                     helper[name].append(helper_seconds)
             for name in names:
+                variants[name].end_round()
                 round_ratios[name].append(sum(times[name][start:]) / sum(times[against][start:]))
-        finally:
-            for child in children.values():
-                child.close()
+    finally:
+        for variant in variants.values():
+            variant.close()
     result = {
         "workload": workload.name,
         "rounds": rounds,
@@ -240,7 +275,7 @@ def paired(names: list[str], workload: Workload, rounds: int, pairs: int, agains
             continue
         ratios = [t / b for t, b in zip(times[name], times[against])]
         extra_per_step = statistics.median(t - b for t, b in zip(times[name], times[against]))
-        requests_per_step = sum(finished[name]) / (pairs * sum(base_steps))
+        requests_per_step = sum(finished[name]) / (steps * len(times[name]))
         result[name] = {
             "ratio": _spread(ratios),
             "round_ratios": round_ratios[name],
@@ -273,8 +308,8 @@ def memory_per_request(workload: Workload) -> float:
 
 
 def pool_metric_cost() -> dict[int, dict[str, float]]:
-    """Microseconds the pool work costs by pool size: the per-step snapshot, a gauge
-    collection, and one reconciliation pass (run every OTEL_KVCACHE_RECONCILE_SECONDS)."""
+    """Microseconds the pool work costs by pool size: settling it (once per step), a
+    gauge collection, and one reconciliation pass (run every OTEL_KVCACHE_RECONCILE_SECONDS)."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
@@ -294,11 +329,11 @@ def pool_metric_cost() -> dict[int, dict[str, float]]:
             driver.run(100)
             engine = driver.scheduler._otel_kvcache_engine
             number = 2000
-            publish = timeit.timeit(engine.on_step_end, number=number) / number
+            settle = timeit.timeit(engine.pool.settle, number=number) / number
             collect = timeit.timeit(reader.get_metrics_data, number=50) / 50
             reconcile = timeit.timeit(engine.reconciler.run, number=20) / 20
             costs[blocks] = {
-                "publish_us": publish * 1e6,
+                "settle_us": settle * 1e6,
                 "collect_us": collect * 1e6,
                 "reconcile_us": reconcile * 1e6,
                 "reconcile_share": reconcile / max(engine.reconciler.interval, reconcile / RECONCILE_BUDGET),
@@ -311,8 +346,8 @@ def pool_metric_cost() -> dict[int, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead")
-    parser.add_argument("--rounds", type=int, default=4, help="fresh processes per variant, per workload")
-    parser.add_argument("--pairs", type=int, default=12, help="chunks of each variant per round")
+    parser.add_argument("--rounds", type=int, default=12, help="fresh processes per variant, per workload")
+    parser.add_argument("--pairs", type=int, default=4, help="chunks of each variant per round")
     parser.add_argument("--quick", action="store_true", help="decode-heavy only, few rounds")
     parser.add_argument(
         "--take-apart",
@@ -347,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     print("pool work by pool size:")
     for blocks, cost in results["pool_metric_cost"].items():
         print(
-            f"  {blocks:>7} blocks: publish {cost['publish_us']:.2f} us/step, gauge collection "
+            f"  {blocks:>7} blocks: settling {cost['settle_us']:.2f} us/step, gauge collection "
             f"{cost['collect_us']:.0f} us, reconciliation {cost['reconcile_us']:.0f} us a pass "
             f"({100 * cost['reconcile_share']:.3f} % of the engine thread at one pass per interval)"
         )

@@ -38,9 +38,8 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.scheduler_driver import workloads
+from benchmarks.scheduler_driver import TARGETS, against_target, workloads
 
-TARGETS = {"decode-heavy": 0.01, "churn": 0.02, "wide": 0.01}
 VALGRIND_SLOWDOWN = 50
 
 
@@ -109,13 +108,6 @@ def count(variant: str, workload_name: str, steps: int, seed: int, cache_sim: bo
     return counted
 
 
-def _against_target(overhead: float, workload_name: str) -> str:
-    target = TARGETS.get(workload_name)
-    if target is None:
-        return "no target"
-    return f"target {100 * target:.0f} %: {'met' if overhead <= target else 'NOT met'}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
     parser.add_argument("--steps", type=int, default=100)
@@ -158,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(outcome)
             print(
                 f"{name:<14} base {outcome['base_instructions_per_step'] / 1e6:.1f} M instructions/step | "
-                f"instrumented +{100 * outcome['overhead']:.2f} % ({_against_target(outcome['overhead'], name)}) | "
+                f"instrumented +{100 * outcome['overhead']:.2f} % ({against_target(outcome['overhead'], name)}) | "
                 f"{outcome['instructions_per_finished_request'] / 1e3:.0f} k instructions per finished request",
                 flush=True,
             )
@@ -166,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{'':<14} base {outcome['base_cycles_per_step'] / 1e6:.1f} M estimated cycles/step | "
                     f"instrumented +{100 * outcome['cycles_overhead']:.2f} % "
-                    f"({_against_target(outcome['cycles_overhead'], name)})",
+                    f"({against_target(outcome['cycles_overhead'], name)})",
                     flush=True,
                 )
     if args.json:

@@ -41,9 +41,11 @@ import timeit
 import tracemalloc
 from multiprocessing.connection import Connection
 
-from benchmarks.scheduler_driver import Driver, Workload, model_config, workloads
+from benchmarks.scheduler_driver import Driver, Workload, against_target, model_config, workloads
 
 CHUNK_SECONDS = 0.15
+MEMORY_TARGET = 2048  # bytes held per in-flight request
+FLAT = 2.0  # the most the per-step pool work may grow from 1,000 to 100,000 blocks
 # The timed workers take turns on one CPU; everything else (this process, the
 # templates, the instrumented side's helper process) runs on the others.
 TIMED_CPU = max(os.sched_getaffinity(0))
@@ -378,8 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         results["bytes_per_request"] = pool.apply(memory_per_request, (workloads()[0],))
     with context.Pool(1) as pool:
         results["pool_metric_cost"] = pool.apply(pool_metric_cost)
-    print(f"\nmemory held per in-flight request (decode-heavy): {results['bytes_per_request']:.0f} B")
-    print("pool work by pool size:")
+    held = results["bytes_per_request"]
+    print(f"\nmemory held per in-flight request (decode-heavy): {held:.0f} B "
+          f"(target {MEMORY_TARGET} B: {'met' if held <= MEMORY_TARGET else 'NOT met'})")
+    settling = [cost["settle_us"] for cost in results["pool_metric_cost"].values()]
+    flat = max(settling) <= FLAT * min(settling)
+    print(f"pool work by pool size (per-step cost flat, within {FLAT}x from 1,000 to 100,000 blocks: "
+          f"{'met' if flat else 'NOT met'}):")
     for blocks, cost in results["pool_metric_cost"].items():
         print(
             f"  {blocks:>7} blocks: settling {cost['settle_us']:.2f} us/step, gauge collection "
@@ -397,20 +404,25 @@ def main(argv: list[str] | None = None) -> int:
 def markdown_table(results: dict) -> str:
     """The README's table."""
     lines = [
-        "| workload | base ms/step | instrumented / base: median (p25–p75) | by round | A/A: median (p25–p75) | A/A by round | µs per step | µs per finished request | helper process: CPU µs per request |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | base ms/step | instrumented / base: median (p25–p75) | against the target | by round | A/A: median (p25–p75) | A/A by round | µs per step | µs per finished request | helper process: CPU µs per request |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for outcome in results["workloads"]:
         otel, aa = outcome["otel"], outcome["base-again"]
         lines.append(
             f"| {outcome['workload']} | {outcome['base_step_ms']:.2f} "
             f"| {otel['ratio']['median']:.3f} ({otel['ratio']['p25']:.3f}–{otel['ratio']['p75']:.3f}) "
+            f"| {_verdict(outcome)} "
             f"| {_range(otel['round_ratios'])} "
             f"| {aa['ratio']['median']:.3f} ({aa['ratio']['p25']:.3f}–{aa['ratio']['p75']:.3f}) "
             f"| {_range(aa['round_ratios'])} "
             f"| {otel['us_per_step']:.0f} | {otel['us_per_request']:.0f} | {otel['helper_us_per_request']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _verdict(outcome: dict) -> str:
+    return against_target(outcome["otel"]["ratio"]["median"] - 1, outcome["workload"])
 
 
 def _range(values: list[float]) -> str:
@@ -421,7 +433,8 @@ def _print_workload(outcome: dict) -> None:
     otel, aa = outcome["otel"], outcome["base-again"]
     print(
         f"{outcome['workload']:<24} base {outcome['base_step_ms']:.2f} ms/step | "
-        f"otel/base median {otel['ratio']['median']:.4f} (p25 {otel['ratio']['p25']:.4f}, p75 {otel['ratio']['p75']:.4f}; "
+        f"otel/base median {otel['ratio']['median']:.4f} ({_verdict(outcome)}; "
+        f"p25 {otel['ratio']['p25']:.4f}, p75 {otel['ratio']['p75']:.4f}; "
         f"rounds {_range(otel['round_ratios'])}) | "
         f"A/A median {aa['ratio']['median']:.4f} (p25 {aa['ratio']['p25']:.4f}, p75 {aa['ratio']['p75']:.4f}; "
         f"rounds {_range(aa['round_ratios'])}) | "

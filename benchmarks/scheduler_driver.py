@@ -37,6 +37,18 @@ class Workload:
         return -(-(self.prompt_len + self.output_len) // BLOCK_SIZE)
 
 
+TARGETS = {"decode-heavy": 0.01, "churn": 0.02, "wide": 0.01}
+"""The issue's overhead targets by workload shape (a small-pool variant shares its shape's)."""
+
+
+def against_target(overhead: float, workload_name: str) -> str:
+    """``overhead`` (0.01 is 1 %) against the workload's target, as the benchmarks print it."""
+    target = TARGETS.get(workload_name.split("/")[0])
+    if target is None:
+        return "no target"
+    return f"target {100 * target:.0f} %: {'met' if overhead <= target else 'NOT met'}"
+
+
 def workloads() -> list[Workload]:
     """The issue's three shapes, each on a roomy pool and on one small enough to preempt."""
     shapes = [

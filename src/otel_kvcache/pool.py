@@ -172,9 +172,7 @@ class PoolTracker:
         """Before ``prepend_n``: pops since the last look must be counted before the
         front part grows."""
         if blocks:
-            popped_from_back = self._queued - self.queue.num_free_blocks  # settle(), for the pops only
-            if popped_from_back > 0:
-                self._pop(popped_from_back)
+            self.settle()
 
     def before_unpinning(self, blocks: Any, on_reuse: Any = None) -> None:
         """Before ``unpin_blocks``: the blocks it appends may hold no prefix."""

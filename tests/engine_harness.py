@@ -117,6 +117,29 @@ class GroundTruth:
     last_held_blocks: dict[str, int] = field(default_factory=dict)
 
 
+class _HitRecorder:
+    """Keeps, per block, the hash it held when vLLM's last prefix hit took it (``touch``),
+    then calls the class's ``touch``: the instrumented one, when instrumented."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.hash_at_hit: dict[int, object] = {}
+        self._touch = type(pool).touch
+
+    def __call__(self, blocks) -> None:
+        self.hash_at_hit.update((block.block_id, block.block_hash) for block in blocks)
+        self._touch(self.pool, blocks)
+
+    def cached_blocks_hit_again(self) -> int:
+        """Free blocks still holding the prefix they held when a hit reused them."""
+        blocks = self.pool.blocks
+        return sum(
+            1
+            for block_id, block_hash in self.hash_at_hit.items()
+            if blocks[block_id].ref_cnt == 0 and block_hash is not None and blocks[block_id].block_hash == block_hash
+        )
+
+
 class EngineHarness:
     """A scheduler plus the fake model runner that steps it."""
 
@@ -124,6 +147,8 @@ class EngineHarness:
         self.scheduler = scheduler
         self.events = _EventRecorder()
         scheduler.kv_event_publisher = self.events
+        pool = scheduler.kv_cache_manager.block_pool
+        self.hits = pool.touch = _HitRecorder(pool)
         init_none_hash(sha256)
         self.block_size = scheduler.block_size
         self._hasher = get_request_block_hasher(self.block_size, sha256)
@@ -225,3 +250,20 @@ class EngineHarness:
             else:
                 states["free"] += 1
         return {"used": states["used"], "cached": states["cached"], "free": states["free"]}
+
+
+def break_free_for(monkeypatch, engine, victim: str, orphan: bool) -> list:
+    """Make vLLM's KVCacheManager.free skip one request: keep its block list (a zombie),
+    or drop the list but never return the references (orphaned blocks)."""
+    manager = engine.scheduler.kv_cache_manager
+    original_free = manager.free
+    lost = []
+
+    def free(request):
+        if request.request_id != victim:
+            return original_free(request)
+        if orphan:
+            lost.extend(manager.pop_blocks_for_free(request))
+
+    monkeypatch.setattr(manager, "free", free)
+    return lost

@@ -126,6 +126,44 @@ def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, help
     exporter.close()
 
 
+def test_a_finding_about_an_ended_request_joins_its_trace_from_the_helper(
+    model_config, helper_exports_to, monkeypatch
+):
+    """vLLM keeps a finished request's blocks: the finding, made after its span was
+    handed over, becomes a span under it, built in the helper too."""
+    from engine_harness import EngineHarness, break_free_for, make_scheduler
+
+    monkeypatch.setenv("OTEL_KVCACHE_RECONCILE_SECONDS", "0")
+    monkeypatch.setenv("OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS", "0")
+    sink = helper_exports_to
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=Telemetry().meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=64))
+        break_free_for(monkeypatch, engine, "victim", orphan=False)
+        headers = {"traceparent": f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01"}
+        engine.add(engine.make_request("victim", prompt_len=70, max_tokens=4, trace_headers=headers))
+        engine.add(engine.make_request("bystander", prompt_len=40, max_tokens=30))
+        engine.run()
+        leaked = engine.held_blocks("victim")  # vLLM's own KV manager still lists them
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        exporter.close()
+    finally:
+        instrumentor.uninstrument()
+    assert leaked > 0
+    spans = [span for _, span in sink.spans()]
+    [victim] = [
+        s for s in spans if s.name == names.KV_REQUEST_SPAN and attributes_of(s.attributes)[names.REQUEST_ID] == "victim"
+    ]
+    [finding] = [s for s in spans if s.name == names.FINDING_SPAN]
+    assert finding.trace_id == TRACE_ID.to_bytes(16, "big")
+    assert finding.parent_span_id == victim.span_id
+    [event] = finding.events
+    assert event.name == names.EVENT_ZOMBIE
+    assert attributes_of(event.attributes)[names.REQUEST_ID] == "victim"
+    assert attributes_of(event.attributes)[names.BLOCKS] == leaked
+
+
 def test_a_dead_helper_costs_its_spans_never_vllm(model_config, helper_exports_to):
     from engine_harness import EngineHarness, make_scheduler
 

@@ -63,8 +63,10 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
         instrumented = _workload(model_config)
         assert len(telemetry.kv_spans()) == 6
         assert telemetry.total(names.INSTRUMENTATION_ERRORS) == 0
+        instrumentor.uninstrument()
 
-        # Now make every piece of our own code raise, before and after vLLM's calls.
+        # Now make every piece of our own code raise, before and after vLLM's calls
+        # (the wrappers take our functions when they are built: at instrument()).
         for method in (
             "on_admission_attempt",
             "on_prefix_cache_lookup",
@@ -78,6 +80,7 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
             monkeypatch.setattr(EngineTelemetry, method, _fail)
         for method in ("before_prepending", "on_appending", "on_touching", "on_reset", "settle"):
             monkeypatch.setattr(PoolTracker, method, _fail)
+        instrumentor = _instrumented(telemetry)
         with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
             failing = _workload(model_config)
     finally:

@@ -139,7 +139,7 @@ class EngineTelemetry:
 
     def event(self, record: RequestRecord, name: str, blocks: int, detail: Any) -> None:
         """An event on the request's span to come, as ``FinishedRequest.events`` holds it: a flat
-        tuple (no dict) is the cheapest to build and to pickle."""
+        tuple (no dict) is the cheapest to build and to serialize."""
         free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
         record.events.append((name, time.time_ns(), blocks, detail, free, self.pool.limit - free))
 
@@ -167,17 +167,13 @@ class EngineTelemetry:
     def on_scheduled(self, output: Any) -> None:
         """After ``schedule()``, once a step: the step's admissions, the attempts that
         found no blocks, the evictions of its allocations; chores when due."""
-        admitted = [new.req_id for new in output.scheduled_new_reqs]
-        admitted.extend(output.scheduled_cached_reqs.resumed_req_ids)
-        for request_id in admitted:
-            record = self.requests.get(request_id)
-            if record is None:  # admitted without a prefix-cache lookup
-                record = self._record_of(self._scheduler_requests[request_id])
-            self._admitted(record, request_id)
+        for new_request in output.scheduled_new_reqs:
+            self._admitted(new_request.req_id)
+        for request_id in output.scheduled_cached_reqs.resumed_req_ids:
+            self._admitted(request_id)
         if self._attempted:
-            admitted_ids = set(admitted)
             for request in self._attempted:
-                if request.request_id not in admitted_ids and is_waiting_for_blocks(request):
+                if is_waiting_for_blocks(request):  # not admitted (it would be running now)
                     self.on_stall(request)
             self._attempted.clear()
         self.pool.settle()
@@ -186,7 +182,10 @@ class EngineTelemetry:
         if now >= self._chores_due:
             self._chores(now)
 
-    def _admitted(self, record: RequestRecord, request_id: str) -> None:
+    def _admitted(self, request_id: str) -> None:
+        record = self.requests.get(request_id)
+        if record is None:  # admitted without a prefix-cache lookup
+            record = self._record_of(self._scheduler_requests[request_id])
         hit_tokens, record.pending_hit_tokens = record.pending_hit_tokens, 0
         hit_blocks = -(-hit_tokens // self.block_size)
         record.cache_read_tokens += hit_tokens
@@ -242,7 +241,7 @@ class EngineTelemetry:
             self.event(record, names.EVENT_LEAK, still_held, request.request_id)
         self.computed_tokens += request.num_computed_tokens + record.recomputed_tokens
         if not get_current().get(_SUPPRESS_INSTRUMENTATION_KEY):
-            # A plain tuple in FinishedRequest's field order: the cheapest to build and to pickle.
+            # A plain tuple in FinishedRequest's field order: the cheapest to build and to serialize.
             self.exporter.request_ended(
                 (
                     request.request_id,

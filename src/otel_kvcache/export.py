@@ -8,10 +8,10 @@ tuple (``FinishedRequest``'s fields) and hands it to an exporter:
 - ``RequestExporter`` builds the span and records the histograms where it is
   called. The engine uses it directly only when it was given its providers
   (``instrument(tracer_provider=...)``), which cannot leave the process.
-- ``ExporterProcess`` (``exporter_process.py``) queues the tuples and sends
+- ``ExporterProcess`` (``exporter_process.py``) serializes the tuples and sends
   them in batches to a helper process that runs ``RequestExporter`` with an
   SDK configured from the same ``OTEL_*`` environment, under the EngineCore's
-  resource. The engine thread pays for a tuple and a share of one pickle.
+  resource. The engine thread pays for a tuple and its ``marshal`` bytes.
 
 Leak findings for requests whose span has ended take the same road, so they
 join the span's trace wherever the span was built.

@@ -25,6 +25,7 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
+from otel_kvcache.pool import PoolTracker
 from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
 from otel_kvcache.resource import name_child_process_wrapper
 
@@ -35,13 +36,18 @@ ExporterFactory = Callable[[], Any]
 """Returns the exporter a new engine hands its finished requests to (``export.py``)."""
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 MethodBuilder = Callable[[Callable[..., Any]], Callable[..., Any]]
+EngineMethod = Callable[..., Any]
+"""An ``EngineTelemetry`` function, called with the engine first."""
 
 
 def _observing(
-    hook: str, errors: InstrumentationErrors, on_call: str | None = None, on_result: str | None = None
+    hook: str,
+    errors: InstrumentationErrors,
+    on_call: EngineMethod | None = None,
+    on_result: EngineMethod | None = None,
 ) -> MethodBuilder:
-    """After vLLM's call, the engine's method named ``on_call`` gets vLLM's own
-    arguments, or the one named ``on_result`` gets vLLM's result (no frame in between)."""
+    """After vLLM's call, ``on_call(engine, *vLLM's arguments)`` or ``on_result(engine,
+    vLLM's result)``: a plain function call, no bound method made per call."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -50,9 +56,9 @@ def _observing(
             if engine is not None:
                 try:
                     if on_result is not None:
-                        getattr(engine, on_result)(result)
+                        on_result(engine, result)
                     else:
-                        getattr(engine, on_call)(*args, **kwargs)
+                        on_call(engine, *args, **kwargs)
                 except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
                     errors.record(hook, exc)
             return result
@@ -62,17 +68,16 @@ def _observing(
     return build
 
 
-def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> MethodBuilder:
+def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
     """Block-pool and free-queue hooks with nothing to do after vLLM's call:
-    ``before`` names a ``PoolTracker`` method that takes vLLM's own arguments; no
-    frame in between."""
+    ``before(engine.pool, *vLLM's arguments)``, a ``PoolTracker`` method."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             engine = getattr(self, ENGINE_ATTRIBUTE, None)
             if engine is not None:
                 try:
-                    getattr(engine.pool, before)(*args, **kwargs)
+                    before(engine.pool, *args, **kwargs)
                 except Exception as exc:  # noqa: BLE001
                     errors.record(hook, exc)
             return original(self, *args, **kwargs)
@@ -82,9 +87,9 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: str) -> Met
     return build
 
 
-def _around(hook: str, errors: InstrumentationErrors, before: str, after: str) -> MethodBuilder:
-    """The engine's methods named ``before`` and ``after`` around vLLM's call, given
-    vLLM's request (``after`` also gets what ``before`` returned)."""
+def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, after: EngineMethod) -> MethodBuilder:
+    """``before(engine, request)`` and ``after(engine, request, what before returned)``
+    around vLLM's call, given vLLM's request."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
@@ -93,13 +98,13 @@ def _around(hook: str, errors: InstrumentationErrors, before: str, after: str) -
                 return original(self, *args, **kwargs)
             request = args[0] if args else kwargs["request"]
             try:
-                state = getattr(engine, before)(request)
+                state = before(engine, request)
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
                 return original(self, *args, **kwargs)
             result = original(self, *args, **kwargs)
             try:
-                getattr(engine, after)(request, state)
+                after(engine, request, state)
             except Exception as exc:  # noqa: BLE001
                 errors.record(hook, exc)
             return result
@@ -130,20 +135,22 @@ def scheduler_init_wrapper(
 def build_wrappers(
     exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
 ) -> dict[str, Callable[[str], Wrapper | MethodBuilder]]:
-    """Role -> a factory taking the hook's name; factories run only once vLLM is imported."""
+    """Role -> a factory taking the hook's name; factories run only once vLLM is imported
+    (the engine's and the pool's functions are looked up then: replacing one later has no effect)."""
+    Engine, Pool = EngineTelemetry, PoolTracker  # noqa: N806 - short names for the table
     return {
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
-        "preempt": lambda hook: _around(hook, errors, "before_preempt", "on_preempted"),
-        "release": lambda hook: _around(hook, errors, "before_release", "on_released"),
-        "scheduled": lambda hook: _observing(hook, errors, on_result="on_scheduled"),
-        "admission_attempt": lambda hook: _observing(hook, errors, on_call="on_admission_attempt"),
-        "prefix_lookup": lambda hook: _observing(hook, errors, on_call="on_prefix_cache_lookup"),
-        "evict_blocks": lambda hook: _tracking_pool(hook, errors, "before_evicting"),
-        "queue_prepend": lambda hook: _tracking_pool(hook, errors, "before_prepending"),
-        "queue_append": lambda hook: _tracking_pool(hook, errors, "on_appending"),
-        "touch": lambda hook: _tracking_pool(hook, errors, "on_touching"),
-        "unpin": lambda hook: _tracking_pool(hook, errors, "before_unpinning"),
-        "reset_prefix_cache": lambda hook: _observing(hook, errors, on_result="on_prefix_cache_reset"),
+        "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
+        "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
+        "scheduled": lambda hook: _observing(hook, errors, on_result=Engine.on_scheduled),
+        "admission_attempt": lambda hook: _observing(hook, errors, on_call=Engine.on_admission_attempt),
+        "prefix_lookup": lambda hook: _observing(hook, errors, on_call=Engine.on_prefix_cache_lookup),
+        "evict_blocks": lambda hook: _tracking_pool(hook, errors, Pool.before_evicting),
+        "queue_prepend": lambda hook: _tracking_pool(hook, errors, Pool.before_prepending),
+        "queue_append": lambda hook: _tracking_pool(hook, errors, Pool.on_appending),
+        "touch": lambda hook: _tracking_pool(hook, errors, Pool.on_touching),
+        "unpin": lambda hook: _tracking_pool(hook, errors, Pool.before_unpinning),
+        "reset_prefix_cache": lambda hook: _observing(hook, errors, on_result=Engine.on_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
         "name_child_process": lambda hook: name_child_process_wrapper(hook, errors),

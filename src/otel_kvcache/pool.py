@@ -124,17 +124,15 @@ class PoolTracker:
 
     # --- what vLLM did -------------------------------------------------------------
 
-    def settle(self) -> None:
+    def settle(self, _prepended: Any = None) -> None:
         """Blocks that left the free queue since the last look were popped from its
-        head; those past the front (hashless) part were evicted from the prefix cache."""
-        free = self.queue.num_free_blocks
+        head; those past the front (hashless) part were evicted from the prefix cache:
+        whole runs, then part of one. Also runs before ``prepend_n``
+        (``before_prepending``): the pops must be counted before the front part grows."""
         # The back part is free blocks: whatever it holds beyond them was popped.
-        popped_from_back = self._queued - free
-        if popped_from_back > 0:
-            self._pop(popped_from_back)
-
-    def _pop(self, count: int) -> None:
-        """``count`` entries left the back part's head: whole runs, then part of one."""
+        count = self._queued - self.queue.num_free_blocks
+        if count <= 0:
+            return
         runs, now = self._runs, time.monotonic()
         self._queued -= count
         evicted, age_sum, oldest = 0, 0.0, None
@@ -168,11 +166,7 @@ class PoolTracker:
         self.evictions += evicted
         self.cached -= evicted
 
-    def before_prepending(self, blocks: list) -> None:
-        """Before ``prepend_n``: pops since the last look must be counted before the
-        front part grows."""
-        if blocks:
-            self.settle()
+    before_prepending = settle
 
     def before_unpinning(self, blocks: Any, on_reuse: Any = None) -> None:
         """Before ``unpin_blocks``: the blocks it appends may hold no prefix."""
@@ -215,8 +209,19 @@ class PoolTracker:
         """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free).
 
         No settling first: a free block a hit takes back was behind whatever the
-        head popped, so the pops come out the same when counted afterwards."""
-        self._hit.update(zip(map(_BLOCK_ID, blocks), map(self._block_hash, blocks)))
+        head popped, so the pops come out the same when counted afterwards.
+
+        A hit is a chain of prefix blocks. When its deepest block is marked with the
+        hash it holds now, the hit that marked it marked the shallower ones too, and
+        they still hold theirs: vLLM evicts a chain's deeper blocks first (a
+        request's blocks are freed deepest first, and any holder of a block holds
+        the blocks before it). Most hits reuse a marked chain (a shared system
+        prompt), so they skip the marking."""
+        if not blocks:
+            return
+        deepest = blocks[-1]
+        if self._hit.get(deepest.block_id) is not self._block_hash(deepest):
+            self._hit.update(zip(map(_BLOCK_ID, blocks), map(self._block_hash, blocks)))
         if countOf(map(_REF_CNT, blocks), 0):  # some are free: in the back part
             self._take_back(blocks)
 

@@ -99,10 +99,18 @@ FINISH_REASONS = {
 }
 
 
+_waits_by_status: dict[Any, bool] = {}
+
+
 def is_waiting_for_blocks(request: Any) -> bool:
     """After ``schedule()``: an admission attempt that left the request waiting (not
-    one parked for a remote KV transfer or a grammar) found no blocks."""
-    return request.status.name in ("WAITING", "PREEMPTED")
+    one parked for a remote KV transfer or a grammar) found no blocks. (Looked up
+    by status, as ``RequestStatus.name`` is slow.)"""
+    status = request.status
+    waits = _waits_by_status.get(status)
+    if waits is None:
+        waits = _waits_by_status[status] = getattr(status, "name", None) in ("WAITING", "PREEMPTED")
+    return waits
 
 
 def request_being_scheduled() -> Any | None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import wrapt
 
 from otel_kvcache import VLLMKVCacheInstrumentor
@@ -52,6 +53,16 @@ def test_uninstrument_restores_every_patched_callable(telemetry):
         tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider
     )
     assert all(_current(p) is not original for p, original in originals.items())
+
+
+def test_hot_wrappers_take_exactly_vllms_parameters(telemetry):
+    """Any call vLLM makes to its method, keywords included, is a valid call to ours."""
+    import inspect
+
+    for point in (p for p in HOOK_POINTS if p.hot):
+        wrapper = _current(point)
+        original = wrapper.__wrapped__
+        assert inspect.signature(wrapper, follow_wrapped=False) == inspect.signature(original), point.qualname
 
 
 def test_a_missing_hook_point_is_reported_once_and_the_rest_still_works(caplog):
@@ -129,3 +140,24 @@ def test_either_vllm_distribution_satisfies_the_dependency_check():
 
     assert get_dist_dependency_conflicts(distribution("otel-kvcache")) is None
     assert VLLMKVCacheInstrumentor()._check_dependency_conflicts() is None
+
+
+def test_a_wrapper_forwards_every_kind_of_parameter_as_given():
+    from otel_kvcache.signatures import method_like
+
+    def original(self, a, /, b, *args, c, d=4, **kwargs):
+        return a, b, args, c, d, kwargs
+
+    seen = []
+    body = "    note({first}, {arguments})\n    return original({self}, {arguments})\n"
+    names = {"original": original, "note": lambda *args, **kwargs: seen.append((args, kwargs))}
+    method = method_like(original, body, names)
+    assert method(None, 1, 2, 3, c=5, e=6) == (1, 2, (3,), 5, 4, {"e": 6})
+    assert method(None, 1, b=2, c=3, d=7) == (1, 2, (), 3, 7, {})
+    assert seen == [((1, 1, 2, 3), {"c": 5, "d": 4, "e": 6}), ((1, 1, 2), {"c": 3, "d": 7})]
+
+    def clashing(self, note):
+        return note
+
+    with pytest.raises(TypeError, match="clash"):
+        method_like(clashing, body, {**names, "original": clashing})

@@ -9,8 +9,10 @@ Two shapes, by the hook point's ``hot`` flag:
 
 - hot (the engine loop's, up to dozens of calls a step): the factory returns a
   *method builder*, ``build(original) -> method``; the method replaces
-  vLLM's on the class and calls ``original(self, ...)`` itself. One frame and
-  one attribute lookup per call; suppression is asked per request, at export.
+  vLLM's on the class, has its exact parameters (``signatures.py``) and calls
+  ``original`` itself. One frame and one attribute lookup per call; our
+  functions are called directly (no bound method); suppression is asked per
+  request, at export.
 - cold (start-up, the API server): a wrapt wrapper,
   ``wrapper(wrapped, instance, args, kwargs)``.
 """
@@ -28,6 +30,7 @@ from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.pool import PoolTracker
 from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
 from otel_kvcache.resource import name_child_process_wrapper
+from otel_kvcache.signatures import method_like
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue."""
@@ -40,78 +43,73 @@ EngineMethod = Callable[..., Any]
 """An ``EngineTelemetry`` function, called with the engine first."""
 
 
-def _observing(
-    hook: str,
-    errors: InstrumentationErrors,
-    on_call: EngineMethod | None = None,
-    on_result: EngineMethod | None = None,
-) -> MethodBuilder:
-    """After vLLM's call, ``on_call(engine, *vLLM's arguments)`` or ``on_result(engine,
-    vLLM's result)``: a plain function call, no bound method made per call."""
+# Hot-path method bodies (``signatures.method_like`` gives them vLLM's parameters):
+# ``{self}``, ``{first}`` and ``{arguments}`` are the call's own.
+_AFTER = """\
+    result = original({self}, {arguments})
+    engine = getattr({self}, ENGINE_ATTRIBUTE, None)
+    if engine is not None:
+        try:
+            {ours}
+        except Exception as exc:  # ours, never vLLM's
+            errors.record(hook, exc)
+    return result
+"""
+_BEFORE = """\
+    engine = getattr({self}, ENGINE_ATTRIBUTE, None)
+    if engine is not None:
+        try:
+            {ours}
+        except Exception as exc:  # ours, never vLLM's
+            errors.record(hook, exc)
+    return original({self}, {arguments})
+"""
+_AROUND = """\
+    engine = getattr({self}, ENGINE_ATTRIBUTE, None)
+    if engine is None:
+        return original({self}, {arguments})
+    try:
+        state = before(engine, {first})
+    except Exception as exc:  # ours, never vLLM's
+        errors.record(hook, exc)
+        return original({self}, {arguments})
+    result = original({self}, {arguments})
+    try:
+        after(engine, {first}, state)
+    except Exception as exc:  # ours, never vLLM's
+        errors.record(hook, exc)
+    return result
+"""
 
+
+def _builder(body: str, hook: str, errors: InstrumentationErrors, **ours: Callable[..., Any]) -> MethodBuilder:
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is not None:
-                try:
-                    if on_result is not None:
-                        on_result(engine, result)
-                    else:
-                        on_call(engine, *args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - ours, never vLLM's
-                    errors.record(hook, exc)
-            return result
-
-        return method
+        names = {"original": original, "ENGINE_ATTRIBUTE": ENGINE_ATTRIBUTE, "errors": errors, "hook": hook, **ours}
+        return method_like(original, body, names)
 
     return build
+
+
+def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
+    """After vLLM's call, ``on_call(engine, <vLLM's arguments>)``."""
+    return _builder(_AFTER.replace("{ours}", "on_call(engine, {arguments})"), hook, errors, on_call=on_call)
+
+
+def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMethod) -> MethodBuilder:
+    """After vLLM's call, ``on_result(engine, <vLLM's result>)``."""
+    return _builder(_AFTER.replace("{ours}", "on_result(engine, result)"), hook, errors, on_result=on_result)
 
 
 def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
     """Block-pool and free-queue hooks with nothing to do after vLLM's call:
-    ``before(engine.pool, *vLLM's arguments)``, a ``PoolTracker`` method."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is not None:
-                try:
-                    before(engine.pool, *args, **kwargs)
-                except Exception as exc:  # noqa: BLE001
-                    errors.record(hook, exc)
-            return original(self, *args, **kwargs)
-
-        return method
-
-    return build
+    ``before(engine.pool, <vLLM's arguments>)``, a ``PoolTracker`` method."""
+    return _builder(_BEFORE.replace("{ours}", "before(engine.pool, {arguments})"), hook, errors, before=before)
 
 
 def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, after: EngineMethod) -> MethodBuilder:
     """``before(engine, request)`` and ``after(engine, request, what before returned)``
-    around vLLM's call, given vLLM's request."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is None:
-                return original(self, *args, **kwargs)
-            request = args[0] if args else kwargs["request"]
-            try:
-                state = before(engine, request)
-            except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
-                return original(self, *args, **kwargs)
-            result = original(self, *args, **kwargs)
-            try:
-                after(engine, request, state)
-            except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
-            return result
-
-        return method
-
-    return build
+    around vLLM's call, given vLLM's request (its first argument)."""
+    return _builder(_AROUND, hook, errors, before=before, after=after)
 
 
 def scheduler_init_wrapper(
@@ -142,15 +140,15 @@ def build_wrappers(
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
         "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
         "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
-        "scheduled": lambda hook: _observing(hook, errors, on_result=Engine.on_scheduled),
-        "admission_attempt": lambda hook: _observing(hook, errors, on_call=Engine.on_admission_attempt),
-        "prefix_lookup": lambda hook: _observing(hook, errors, on_call=Engine.on_prefix_cache_lookup),
+        "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),
+        "admission_attempt": lambda hook: _after_call(hook, errors, Engine.on_admission_attempt),
+        "prefix_lookup": lambda hook: _after_call(hook, errors, Engine.on_prefix_cache_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, Pool.before_evicting),
         "queue_prepend": lambda hook: _tracking_pool(hook, errors, Pool.before_prepending),
         "queue_append": lambda hook: _tracking_pool(hook, errors, Pool.on_appending),
         "touch": lambda hook: _tracking_pool(hook, errors, Pool.on_touching),
         "unpin": lambda hook: _tracking_pool(hook, errors, Pool.before_unpinning),
-        "reset_prefix_cache": lambda hook: _observing(hook, errors, on_result=Engine.on_prefix_cache_reset),
+        "reset_prefix_cache": lambda hook: _after_result(hook, errors, Engine.on_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
         "name_child_process": lambda hook: name_child_process_wrapper(hook, errors),

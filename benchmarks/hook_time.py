@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib
 import multiprocessing
 import sys
@@ -26,8 +27,10 @@ from time import perf_counter_ns
 
 
 def _timed(function, key: str, spent: collections.Counter, calls: collections.Counter):
-    """``function``, adding its time (and a call) under ``key``."""
+    """``function``, adding its time (and a call) under ``key``; it shows ``function``'s
+    signature, so the instrumentation mirrors vLLM's as it does without the timers."""
 
+    @functools.wraps(function)
     def timed(*args, **kwargs):
         started = perf_counter_ns()
         try:

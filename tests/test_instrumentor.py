@@ -156,6 +156,13 @@ def test_a_wrapper_forwards_every_kind_of_parameter_as_given():
     assert method(None, 1, b=2, c=3, d=7) == (1, 2, (), 3, 7, {})
     assert seen == [((1, 1, 2, 3), {"c": 5, "d": 4, "e": 6}), ((1, 1, 2), {"c": 3, "d": 7})]
 
+    def anything(*args, **kwargs):  # another tool's wrapper, without functools.wraps
+        return args, kwargs
+
+    method = method_like(anything, body, {**names, "original": anything})
+    assert method("instance", 1, k=2) == (("instance", 1), {"k": 2})
+    assert seen[-1] == ((1, 1), {"k": 2})
+
     def clashing(self, note):
         return note
 

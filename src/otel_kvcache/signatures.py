@@ -16,6 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 _BODY_PROBE = "def method(self):\n{body}"
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_ANYTHING = [
+    inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+    inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+]
 
 
 def method_like(original: Callable[..., Any], body: str, names: dict[str, Any]) -> Callable[..., Any]:
@@ -25,16 +31,22 @@ def method_like(original: Callable[..., Any], body: str, names: dict[str, Any]) 
     after it and ``{arguments}`` the arguments after the instance, forwarded as
     given; ``names`` are the globals it uses. A parameter may not share a name
     with the body's own (TypeError: the hook point is then reported, not hooked).
+    An ``original`` that shows no instance parameter (a wrapper taking ``*args,
+    **kwargs`` without ``functools.wraps``) gets ``(self, *args, **kwargs)``.
     """
-    parameters = list(inspect.signature(original).parameters.values())
-    if not parameters or parameters[0].kind not in (parameters[0].POSITIONAL_ONLY, parameters[0].POSITIONAL_OR_KEYWORD):
-        raise TypeError(f"{original.__qualname__} has no instance parameter")
+    parameters = list(inspect.signature(original).parameters.values())  # through functools.wraps
+    if not parameters or parameters[0].kind not in _POSITIONAL:
+        parameters = _ANYTHING  # e.g. another tool's wrapper around vLLM's method
     instance, rest = parameters[0], parameters[1:]
     clash = {p.name for p in parameters} & (_names_in(body) | set(names))
     if clash:
         raise TypeError(f"{original.__qualname__}: parameters {sorted(clash)} clash with the wrapper's names")
     signature, forwarded, defaults = _source_of(parameters)
-    first = rest[0].name if rest and rest[0].kind in (rest[0].POSITIONAL_ONLY, rest[0].POSITIONAL_OR_KEYWORD) else None
+    first = None
+    if rest and rest[0].kind in _POSITIONAL:
+        first = rest[0].name
+    elif rest and rest[0].kind is rest[0].VAR_POSITIONAL:
+        first = f"{rest[0].name}[0]"  # an IndexError there is the body's to catch
     if first is None and "{first}" in body:
         raise TypeError(f"{original.__qualname__} takes no positional argument after the instance")
     source = f"def method({signature}):\n" + body.format(self=instance.name, first=first, arguments=forwarded)

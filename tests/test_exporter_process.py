@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 import pytest
 from conftest import Telemetry
@@ -45,7 +46,12 @@ def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_ex
         requests = [
             engine.add(
                 engine.make_request(
-                    f"chat-{i}", prompt_len=40 + 8 * i, shared_prefix=32, max_tokens=90, trace_headers=headers
+                    f"chat-{i}",
+                    prompt_len=40 + 8 * i,
+                    shared_prefix=32,
+                    max_tokens=90,
+                    # Any mapping vLLM may hold the headers in, not only a dict.
+                    trace_headers=MappingProxyType(headers) if i == 0 else headers,
                 )
             )
             for i in range(6)

@@ -45,25 +45,16 @@ EngineMethod = Callable[..., Any]
 
 # Hot-path method bodies (``signatures.method_like`` gives them vLLM's parameters):
 # ``{self}``, ``{first}`` and ``{arguments}`` are the call's own.
-_AFTER = """\
-    result = original({self}, {arguments})
+_OURS = """\
     engine = getattr({self}, ENGINE_ATTRIBUTE, None)
     if engine is not None:
         try:
             {ours}
         except Exception as exc:  # ours, never vLLM's
             errors.record(hook, exc)
-    return result
 """
-_BEFORE = """\
-    engine = getattr({self}, ENGINE_ATTRIBUTE, None)
-    if engine is not None:
-        try:
-            {ours}
-        except Exception as exc:  # ours, never vLLM's
-            errors.record(hook, exc)
-    return original({self}, {arguments})
-"""
+_AFTER = "    result = original({self}, {arguments})\n" + _OURS + "    return result\n"
+_BEFORE = _OURS + "    return original({self}, {arguments})\n"
 _AROUND = """\
     engine = getattr({self}, ENGINE_ATTRIBUTE, None)
     if engine is None:

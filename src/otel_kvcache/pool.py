@@ -216,7 +216,10 @@ class PoolTracker:
         they still hold theirs: vLLM evicts a chain's deeper blocks first (a
         request's blocks are freed deepest first, and any holder of a block holds
         the blocks before it). Most hits reuse a marked chain (a shared system
-        prompt), so they skip the marking."""
+        prompt), so they skip the marking. Where vLLM holds two blocks with one
+        hash (a prefix computed twice before it was cached), a hit can reach a
+        marked deepest block through an unmarked twin, which then goes uncounted
+        by the hit-again gauge until that deepest block is evicted."""
         if not blocks:
             return
         deepest = blocks[-1]

@@ -97,11 +97,12 @@ class ExporterProcess:
         self.dropped = 0
         atexit.register(self.close)
 
-    def request_ended(self, fields: tuple) -> None:
-        """``fields``: a ``FinishedRequest``'s, as a plain tuple."""
+    def _add(self, fields: tuple) -> None:
+        """A record (``FinishedRequest`` or ``Finding`` fields, as a plain tuple),
+        serialized for the next frame; dropped and counted past ``MAX_BUFFERED_BYTES``."""
         try:
             record = marshal.dumps(fields, MARSHAL_VERSION)
-        except ValueError:  # trace headers in a mapping that is not a dict
+        except ValueError:  # a request's trace headers in a mapping that is not a dict
             fields = tuple(FinishedRequest._make(fields)._replace(trace_headers=dict(fields[1])))
             record = marshal.dumps(fields, MARSHAL_VERSION)
         if len(self._records) + len(self._outgoing) > MAX_BUFFERED_BYTES:
@@ -110,9 +111,10 @@ class ExporterProcess:
         self._records += record
         self._record_count += 1
 
+    request_ended = _add  # the engine's hot path: no frame in between
+
     def finding(self, finding: Finding) -> None:
-        self._records += marshal.dumps(tuple(finding), MARSHAL_VERSION)
-        self._record_count += 1
+        self._add(tuple(finding))
         self.flush()
 
     def flush_if_due(self, now: float) -> None:

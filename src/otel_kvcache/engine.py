@@ -11,10 +11,10 @@ thread, so it is written for the scheduler's hot loop:
   chores (reconciliation, the hand-over to the exporter) run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
   by observable instruments on the metric reader's thread (``snapshot``);
-- a live request costs a small record (counts, events with their
-  timestamps), not an SDK span. At release the record is packed into a
-  ``FinishedRequest`` for the exporter (``export.py``), which builds the span,
-  in a helper process when the SDK was configured from the environment.
+- a live request costs a record, one flat array of counts (``record.py``),
+  not an SDK span. At release its bytes go to the exporter (``export.py``),
+  which builds the span, in a helper process when the SDK was configured from
+  the environment.
 - whether instrumentation is suppressed (``suppress_instrumentation``) is asked
   once per request, at release: the pool's accounting never pauses.
 """
@@ -22,6 +22,7 @@ thread, so it is written for the scheduler's hot loop:
 from __future__ import annotations
 
 import time
+from array import array
 from typing import TYPE_CHECKING, Any
 
 # The key suppress_instrumentation() sets; read directly, as is_instrumentation_enabled()
@@ -29,6 +30,32 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_current
 
 from otel_kvcache import names
+from otel_kvcache.record import (
+    ADMITTED_BLOCKS,
+    ADMITTED_HIT_TOKENS,
+    ADMITTED_NS,
+    ADMITTED_POOL_FREE,
+    ADMITTED_POOL_USED,
+    CACHE_READ_TOKENS,
+    FREED,
+    INPUT_TOKENS,
+    LAST_STALL_STEP,
+    OUTPUT_TOKENS,
+    PEAK,
+    PENDING_HIT_TOKENS,
+    PERIOD_HIT_BLOCKS,
+    PREEMPTIONS,
+    PREFIX_HIT_BLOCKS,
+    RECOMPUTED_TOKENS,
+    RELEASED_NS,
+    RELEASED_POOL_FREE,
+    RELEASED_POOL_USED,
+    START_NS,
+    STALLS,
+    STILL_HELD,
+    blank_record,
+    end_admission_period,
+)
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import RequestExporter
 from otel_kvcache.instruments import KVCacheInstruments
@@ -48,54 +75,6 @@ if TYPE_CHECKING:
     from otel_kvcache.exporter_process import ExporterProcess
 
 
-class RequestRecord:
-    """What one live request did to the pool so far."""
-
-    __slots__ = (
-        "start_ns",
-        "events",
-        "peak",
-        "allocated",
-        "prefix_hit_blocks",
-        "period_hit_blocks",
-        "pending_hit_tokens",
-        "cache_read_tokens",
-        "preemptions",
-        "recomputed_tokens",
-        "stalls",
-        "last_stall_step",
-        "progress_tokens",
-        "progress_step",
-    )
-
-    def __init__(self, start_ns: int) -> None:
-        self.start_ns = start_ns
-        self.events: list[tuple] = []  # as in export.FinishedRequest.events
-        self.peak = 0
-        self.allocated = 0
-        self.prefix_hit_blocks = 0
-        self.period_hit_blocks = 0  # prefix-hit blocks of the current admission
-        self.pending_hit_tokens = 0  # prefix lookup of an admission not yet confirmed
-        self.cache_read_tokens = 0
-        self.preemptions = 0
-        self.recomputed_tokens = 0
-        self.stalls = 0
-        self.last_stall_step = -1
-        self.progress_tokens = -1  # computed tokens when the reconciler last looked
-        self.progress_step = 0
-
-    def end_admission_period(self, held: int) -> None:
-        """Blocks held when an admission ends: peak, and the new ones among them.
-
-        With full attention a request's blocks only grow while it runs, so the
-        blocks it holds when preempted or released are its most in that period.
-        """
-        if held > self.peak:
-            self.peak = held
-        self.allocated += max(held - self.period_hit_blocks, 0)
-        self.period_hit_blocks = 0
-
-
 class EngineTelemetry:
     """KV telemetry of one scheduler: live request records, the pool tracker, counters."""
 
@@ -113,7 +92,11 @@ class EngineTelemetry:
         self.attributes = {names.ENGINE_INDEX: engine_index(scheduler.vllm_config)}
         self.pool = PoolTracker(manager.block_pool)
         self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
-        self.requests: dict[str, RequestRecord] = {}
+        self.requests: dict[str, array] = {}
+        """Live requests' records (``record.py``), by request id."""
+        self.extra_events: dict[str, list[tuple]] = {}
+        """Live requests' events other than the first admission (preempted, resumed, stuck, zombie)."""
+        self._blank_record = blank_record(self.block_size)
         self.step = 0
         # Cumulative counters, exported by observable counters.
         self.preemptions = 0
@@ -137,20 +120,22 @@ class EngineTelemetry:
 
     # --- helpers ------------------------------------------------------------
 
-    def event(self, record: RequestRecord, name: str, blocks: int, detail: Any) -> None:
-        """An event on the request's span to come, as ``FinishedRequest.events`` holds it: a flat
-        tuple (no dict) is the cheapest to build and to serialize."""
+    def event(self, request_id: str, name: str, blocks: int, detail: Any) -> None:
+        """An event on the request's span to come, other than its first admission and its
+        release (which its record holds), as ``FinishedRequest.events`` holds it."""
         free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
-        record.events.append((name, time.time_ns(), blocks, detail, free, self.pool.limit - free))
+        event = (name, time.time_ns(), blocks, detail, free, self.pool.limit - free)
+        self.extra_events.setdefault(request_id, []).append(event)  # rare: preemptions, findings
 
     # --- request lifecycle ----------------------------------------------------
 
-    def _record_of(self, request: Any) -> RequestRecord:
+    def _record_of(self, request: Any) -> array:
         """The request's record, made when the scheduler first looks at it (a
         streaming-input session's later chunks keep it)."""
         record = self.requests.get(request.request_id)
         if record is None:
-            record = self.requests[request.request_id] = RequestRecord(int(request.arrival_time * 1e9))
+            record = self.requests[request.request_id] = self._blank_record[:]
+            record[START_NS] = int(request.arrival_time * 1e9)
         return record
 
     def on_admission_attempt(self, request: Any) -> None:
@@ -159,7 +144,7 @@ class EngineTelemetry:
     def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
         """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
         (vLLM's arguments, as it passes them)."""
-        self._record_of(request).pending_hit_tokens = num_hits
+        self._record_of(request)[PENDING_HIT_TOKENS] = num_hits
         if self._lookup_enabled(request):  # vLLM's own test for counting the lookup
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hits
@@ -186,24 +171,33 @@ class EngineTelemetry:
         record = self.requests.get(request_id)
         if record is None:  # admitted without a prefix-cache lookup
             record = self._record_of(self._scheduler_requests[request_id])
-        hit_tokens, record.pending_hit_tokens = record.pending_hit_tokens, 0
+        hit_tokens = record[PENDING_HIT_TOKENS]
+        record[PENDING_HIT_TOKENS] = 0
         hit_blocks = -(-hit_tokens // self.block_size)
-        record.cache_read_tokens += hit_tokens
-        record.prefix_hit_blocks += hit_blocks
-        record.period_hit_blocks = hit_blocks
+        record[CACHE_READ_TOKENS] += hit_tokens
+        record[PREFIX_HIT_BLOCKS] += hit_blocks
+        record[PERIOD_HIT_BLOCKS] = hit_blocks
         held = self.held_blocks(request_id)
-        if held > record.peak:
-            record.peak = held
-        event = names.EVENT_RESUMED if record.preemptions else names.EVENT_ADMITTED
-        self.event(record, event, held, hit_tokens)
+        if held > record[PEAK]:
+            record[PEAK] = held
+        if record[ADMITTED_NS] or record[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
+            event = names.EVENT_RESUMED if record[PREEMPTIONS] else names.EVENT_ADMITTED
+            self.event(request_id, event, held, hit_tokens)
+        else:
+            free = self.pool.queue.num_free_blocks
+            record[ADMITTED_NS] = time.time_ns()
+            record[ADMITTED_BLOCKS] = held
+            record[ADMITTED_HIT_TOKENS] = hit_tokens
+            record[ADMITTED_POOL_FREE] = free
+            record[ADMITTED_POOL_USED] = self.pool.limit - free
 
     def on_stall(self, request: Any) -> None:
         """The scheduler tried to give this request blocks in this step and found none."""
         record = self._record_of(request)
-        if record.last_stall_step == self.step:
+        if record[LAST_STALL_STEP] == self.step:
             return
-        record.last_stall_step = self.step
-        record.stalls += 1
+        record[LAST_STALL_STEP] = self.step
+        record[STALLS] += 1
         self.allocation_stalls += 1
 
     def before_preempt(self, request: Any) -> tuple[int, int]:
@@ -221,48 +215,36 @@ class EngineTelemetry:
         record = self.requests.get(request.request_id)
         if record is None:
             return
-        record.preemptions += 1
-        record.recomputed_tokens += computed
-        record.end_admission_period(released)
-        self.event(record, names.EVENT_PREEMPTED, released, computed)
+        record[PREEMPTIONS] += 1
+        record[RECOMPUTED_TOKENS] += computed
+        end_admission_period(record, released)
+        self.event(request.request_id, names.EVENT_PREEMPTED, released, computed)
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
 
     def on_released(self, request: Any, freed: int) -> None:
-        record = self.requests.pop(request.request_id, None)
+        request_id = request.request_id
+        record = self.requests.pop(request_id, None)
         if record is None:  # never looked at by the scheduler: aborted while waiting
-            record = RequestRecord(int(request.arrival_time * 1e9))
-        record.end_admission_period(freed)
-        reason = finish_reason(request.status)
-        self.event(record, names.EVENT_RELEASED, freed, reason)
-        still_held = self.held_blocks(request.request_id)
-        if still_held:  # vLLM's free path kept the request's blocks: a leak, seen at once
-            self.event(record, names.EVENT_LEAK, still_held, request.request_id)
-        self.computed_tokens += request.num_computed_tokens + record.recomputed_tokens
+            record = self._blank_record[:]
+            record[START_NS] = int(request.arrival_time * 1e9)
+        end_admission_period(record, freed)
+        free = self.pool.queue.num_free_blocks
+        record[RELEASED_NS] = time.time_ns()
+        record[RELEASED_POOL_FREE] = free
+        record[RELEASED_POOL_USED] = self.pool.limit - free
+        record[FREED] = freed
+        # Still attributed to the request after vLLM's free path: a leak, seen at once.
+        record[STILL_HELD] = self.held_blocks(request_id)
+        record[INPUT_TOKENS] = request.num_prompt_tokens
+        record[OUTPUT_TOKENS] = request.num_output_tokens
+        self.computed_tokens += request.num_computed_tokens + record[RECOMPUTED_TOKENS]
+        events = self.extra_events.pop(request_id, None) if self.extra_events else None
         if not get_current().get(_SUPPRESS_INSTRUMENTATION_KEY):
-            # A plain tuple in FinishedRequest's field order: the cheapest to build and to serialize.
+            # export.RequestEnded's fields, as a plain tuple: the cheapest to build and to serialize.
             self.exporter.request_ended(
-                (
-                    request.request_id,
-                    request.trace_headers,
-                    record.start_ns,
-                    request.num_prompt_tokens,
-                    request.num_output_tokens,
-                    record.cache_read_tokens,
-                    self.block_size,
-                    record.peak,
-                    record.allocated,
-                    record.prefix_hit_blocks,
-                    freed,
-                    record.preemptions,
-                    record.recomputed_tokens,
-                    record.stalls,
-                    reason,
-                    record.events,
-                    still_held,
-                    self.attributes,
-                )
+                (request_id, request.trace_headers, finish_reason(request.status), record.tobytes(), events, self.attributes)
             )
         if not self._scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): look now.

@@ -2,8 +2,10 @@
 
 The engine thread never builds spans: building one through the SDK and
 recording three histograms costs tens of microseconds, as much as the whole
-budget of a scheduler step. At release it packs the request's record into a
-tuple (``FinishedRequest``'s fields) and hands it to an exporter:
+budget of a scheduler step. At release it hands an exporter a plain tuple
+(``RequestEnded``'s fields: ids, the finish reason, the request's record as
+bytes, ``record.py``), which ``finished_request`` reads into a
+``FinishedRequest``:
 
 - ``RequestExporter`` builds the span and records the histograms where it is
   called. The engine uses it directly only when it was given its providers
@@ -11,7 +13,7 @@ tuple (``FinishedRequest``'s fields) and hands it to an exporter:
 - ``ExporterProcess`` (``exporter_process.py``) serializes the tuples and sends
   them in batches to a helper process that runs ``RequestExporter`` with an
   SDK configured from the same ``OTEL_*`` environment, under the EngineCore's
-  resource. The engine thread pays for a tuple and its ``marshal`` bytes.
+  resource. The engine thread pays for a small tuple and its ``marshal`` bytes.
 
 Leak findings for requests whose span has ended take the same road, so they
 join the span's trace wherever the span was built.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -31,6 +34,7 @@ from opentelemetry.propagate import extract
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Tracer
 
 from otel_kvcache import names
+from otel_kvcache import record
 
 _findings_logger = logging.getLogger("otel_kvcache.findings")
 
@@ -80,6 +84,62 @@ class FinishedRequest(NamedTuple):
     engine_attributes: dict[str, Any]
 
 
+class RequestEnded(NamedTuple):
+    """What the engine hands an exporter when a request ends, as a plain tuple in this order."""
+
+    request_id: str
+    trace_headers: dict[str, str] | None
+    finish_reason: str
+    record: bytes
+    """The request's record (``record.py``)."""
+    events: list[tuple] | None
+    """Events other than the first admission and the release, as in ``FinishedRequest.events``."""
+    engine_attributes: dict[str, Any]
+
+
+def finished_request(ended: tuple) -> FinishedRequest:
+    """A ``RequestEnded`` (or a plain tuple in its order) read back into a ``FinishedRequest``."""
+    request_id, trace_headers, finish_reason, record_bytes, more_events, engine_attributes = ended
+    counts = array(record.TYPECODE, record_bytes)
+    events = []
+    if counts[record.ADMITTED_NS]:
+        events.append(
+            (
+                names.EVENT_ADMITTED,
+                counts[record.ADMITTED_NS],
+                counts[record.ADMITTED_BLOCKS],
+                counts[record.ADMITTED_HIT_TOKENS],
+                counts[record.ADMITTED_POOL_FREE],
+                counts[record.ADMITTED_POOL_USED],
+            )
+        )
+    events.extend(more_events or ())
+    released_ns, free, used = counts[record.RELEASED_NS], counts[record.RELEASED_POOL_FREE], counts[record.RELEASED_POOL_USED]
+    events.append((names.EVENT_RELEASED, released_ns, counts[record.FREED], finish_reason, free, used))
+    if counts[record.STILL_HELD]:  # vLLM's free path kept the request's blocks: a leak, seen at once
+        events.append((names.EVENT_LEAK, released_ns, counts[record.STILL_HELD], request_id, free, used))
+    return FinishedRequest(
+        request_id=request_id,
+        trace_headers=trace_headers,
+        start_ns=counts[record.START_NS],
+        input_tokens=counts[record.INPUT_TOKENS],
+        output_tokens=counts[record.OUTPUT_TOKENS],
+        cache_read_tokens=counts[record.CACHE_READ_TOKENS],
+        block_size=counts[record.BLOCK_SIZE],
+        peak=counts[record.PEAK],
+        allocated=counts[record.ALLOCATED],
+        prefix_hit_blocks=counts[record.PREFIX_HIT_BLOCKS],
+        freed=counts[record.FREED],
+        preemptions=counts[record.PREEMPTIONS],
+        recomputed_tokens=counts[record.RECOMPUTED_TOKENS],
+        stalls=counts[record.STALLS],
+        finish_reason=finish_reason,
+        events=events,
+        still_held=counts[record.STILL_HELD],
+        engine_attributes=engine_attributes,
+    )
+
+
 class Finding(NamedTuple):
     """A leak finding about a request whose span has already ended."""
 
@@ -121,9 +181,9 @@ class RequestExporter:
         self.histograms = histograms
         self.recently_ended: OrderedDict[str, SpanContext] = OrderedDict()
 
-    def request_ended(self, fields: tuple) -> None:
-        """``fields``: a ``FinishedRequest``, or a plain tuple in its field order."""
-        finished = FinishedRequest._make(fields)
+    def request_ended(self, ended: tuple) -> None:
+        """``ended``: a ``RequestEnded``, or a plain tuple in its field order."""
+        finished = finished_request(ended)
         headers = finished.trace_headers
         span = self.tracer.start_span(
             names.KV_REQUEST_SPAN,

@@ -1,7 +1,7 @@
 """A helper process that builds the engine's spans, so the engine thread doesn't.
 
 ``ExporterProcess`` lives in the EngineCore process: it serializes each
-finished request (``FinishedRequest`` fields) and each ``Finding`` with
+finished request (``RequestEnded`` fields) and each ``Finding`` with
 ``marshal`` as it comes, and every ``FLUSH_SECONDS`` (or when the engine goes
 idle) writes what it has as one frame to the stdin of ``python -m
 otel_kvcache.exporter_process``. Serialized at once, a record is a few hundred
@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.export import Finding, FinishedRequest
+from otel_kvcache.export import Finding, RequestEnded
 from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
 
 _logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ MAX_BUFFERED_BYTES = 8 << 20
 # Version 2 writes no back-references, so it builds no hash table per call: half
 # the time of the default (measured in the engine loop: 1.9 against 4.1 us a record).
 MARSHAL_VERSION = 2
-# A frame: its length, then marshalled records (``FinishedRequest`` or ``Finding`` fields, as tuples).
+# A frame: its length, then marshalled records (``RequestEnded`` or ``Finding`` fields, as tuples).
 _FRAME_HEADER = struct.Struct("<I")
 HOOK = "exporter_process"
 """The name our errors in the channel are counted under."""
@@ -98,12 +98,12 @@ class ExporterProcess:
         atexit.register(self.close)
 
     def _add(self, fields: tuple) -> None:
-        """A record (``FinishedRequest`` or ``Finding`` fields, as a plain tuple),
+        """A record (``RequestEnded`` or ``Finding`` fields, as a plain tuple),
         serialized for the next frame; dropped and counted past ``MAX_BUFFERED_BYTES``."""
         try:
             record = marshal.dumps(fields, MARSHAL_VERSION)
         except ValueError:  # a request's trace headers in a mapping that is not a dict
-            fields = tuple(FinishedRequest._make(fields)._replace(trace_headers=dict(fields[1])))
+            fields = tuple(RequestEnded._make(fields)._replace(trace_headers=dict(fields[1])))
             record = marshal.dumps(fields, MARSHAL_VERSION)
         if len(self._records) + len(self._outgoing) > MAX_BUFFERED_BYTES:
             self._drop(1)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from otel_kvcache import names
 from otel_kvcache.config import RECONCILE_SECONDS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
 from otel_kvcache.export import Finding, event_attributes, log_in_trace
+from otel_kvcache.record import PROGRESS_STEP, PROGRESS_TOKENS
 from otel_kvcache.vllm_compat import real_blocks
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class Reconciler:
         # future vLLM may add): dropped, so our state stays bounded.
         for request_id in [rid for rid in engine.requests if rid not in live]:
             del engine.requests[request_id]
+            engine.extra_events.pop(request_id, None)
 
         pool = engine.pool
         orphaned = max(pool.references() - accounted, 0)
@@ -153,13 +155,13 @@ class Reconciler:
         for request_id, record in engine.requests.items():
             request = live.get(request_id)
             if request is None or request.status.name != "RUNNING":
-                record.progress_step = engine.step
+                record[PROGRESS_STEP] = engine.step
                 continue
-            if request.num_computed_tokens != record.progress_tokens:
-                record.progress_tokens, record.progress_step = request.num_computed_tokens, engine.step
-            elif engine.step - record.progress_step >= self.stuck_steps:
+            if request.num_computed_tokens != record[PROGRESS_TOKENS]:
+                record[PROGRESS_TOKENS], record[PROGRESS_STEP] = request.num_computed_tokens, engine.step
+            elif engine.step - record[PROGRESS_STEP] >= self.stuck_steps:
                 stuck.append(request_id)
-                idle = engine.step - record.progress_step
+                idle = engine.step - record[PROGRESS_STEP]
                 held = engine.held_blocks(request_id)
                 self._tell(names.EVENT_STUCK, request_id, held, idle, f"has computed no token for {idle} steps")
         return stuck
@@ -172,9 +174,8 @@ class Reconciler:
             return
         self._reported.add((event, request_id))
         engine = self.engine
-        record = engine.requests.get(request_id)
-        if record is not None:  # on the span to come
-            engine.event(record, event, blocks, detail)
+        if request_id in engine.requests:  # on the span to come
+            engine.event(request_id, event, blocks, detail)
             log_in_trace(None, "otel-kvcache: request %s %s", request_id, message)
         else:  # in the ended span's trace, wherever the span was built
             attributes = {names.REQUEST_ID: request_id, **event_attributes(event, blocks, detail)}

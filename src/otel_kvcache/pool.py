@@ -187,7 +187,7 @@ class PoolTracker:
                 for block in blocks:
                     run_of[block.block_id] = run
             else:
-                run[BLOCKS] = list(blocks)
+                run[BLOCKS] = blocks  # vLLM builds the list for this call and drops it after
             self._runs.append(run)
             self._queued += queued
             self.cached += live

@@ -58,7 +58,8 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "record_prefix_cache_stats", "prefix_lookup"),
     # The free queue: free_blocks prepends the blocks whose last reference went
     # and that hold no prefix, then appends those that do (evictable cache, the
-    # order vLLM evicts them in); unpin_blocks (hisparse) appends too.
+    # order vLLM evicts them in); unpin_blocks (hisparse) appends too. Both build
+    # the list they append for the call and drop it after: pool.py keeps it.
     # get_new_blocks pops from the head, evicting the hashed blocks it pops: not
     # hooked, as it runs dozens of times a step; pool.py infers it from the
     # queue's length.

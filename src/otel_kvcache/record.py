@@ -1,0 +1,103 @@
+"""A live request's record: one flat array of 64-bit counts, indexed by the constants below.
+
+The engine keeps one per live request (``EngineTelemetry.requests``) and, when
+the request ends, hands its bytes to the exporter, which reads them back into
+a ``FinishedRequest`` (``export.finished_request``). Flat on purpose: a record
+made of Python objects (a slotted object, its event list and tuples, an int
+object per large count) is a dozen small objects allocated at admission,
+scattered over the heap, all cold again when the request ends. Reading and
+serializing them at release took about 5 us in the decode-heavy loop, the
+largest single item on the engine thread; an ``array`` is two objects, its
+counts side by side, and the garbage collector tracks none of it.
+
+Events other than the first admission and the release (preempted, resumed,
+stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+FIELDS = (
+    # What the span reports.
+    "start_ns",
+    "block_size",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "peak",
+    "allocated",
+    "prefix_hit_blocks",
+    "freed",
+    "preemptions",
+    "recomputed_tokens",
+    "stalls",
+    "still_held",
+    # The first admission and the release, as events: when, blocks, prefix-hit
+    # tokens (admission), and the pool's free and used blocks then.
+    "admitted_ns",
+    "admitted_blocks",
+    "admitted_hit_tokens",
+    "admitted_pool_free",
+    "admitted_pool_used",
+    "released_ns",
+    "released_pool_free",
+    "released_pool_used",
+    # The engine's own bookkeeping.
+    "period_hit_blocks",  # prefix-hit blocks of the current admission
+    "pending_hit_tokens",  # the prefix lookup of an admission not yet confirmed
+    "last_stall_step",
+    "progress_tokens",  # computed tokens when the reconciler last looked
+    "progress_step",
+)
+(
+    START_NS,
+    BLOCK_SIZE,
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    CACHE_READ_TOKENS,
+    PEAK,
+    ALLOCATED,
+    PREFIX_HIT_BLOCKS,
+    FREED,
+    PREEMPTIONS,
+    RECOMPUTED_TOKENS,
+    STALLS,
+    STILL_HELD,
+    ADMITTED_NS,
+    ADMITTED_BLOCKS,
+    ADMITTED_HIT_TOKENS,
+    ADMITTED_POOL_FREE,
+    ADMITTED_POOL_USED,
+    RELEASED_NS,
+    RELEASED_POOL_FREE,
+    RELEASED_POOL_USED,
+    PERIOD_HIT_BLOCKS,
+    PENDING_HIT_TOKENS,
+    LAST_STALL_STEP,
+    PROGRESS_TOKENS,
+    PROGRESS_STEP,
+) = range(len(FIELDS))
+
+TYPECODE = "q"
+
+
+def blank_record(block_size: int) -> array:
+    """The record of a request nothing has happened to yet (new ones are copies: ``blank[:]``)."""
+    record = array(TYPECODE, bytes(8 * len(FIELDS)))
+    record[BLOCK_SIZE] = block_size
+    record[LAST_STALL_STEP] = -1
+    record[PROGRESS_TOKENS] = -1
+    return record
+
+
+def end_admission_period(record: array, held: int) -> None:
+    """Blocks held when an admission ends (preempted or released): peak, and the new ones among them.
+
+    With full attention a request's blocks only grow while it runs, so the
+    blocks it holds when preempted or released are its most in that period.
+    """
+    if held > record[PEAK]:
+        record[PEAK] = held
+    record[ALLOCATED] += max(held - record[PERIOD_HIT_BLOCKS], 0)
+    record[PERIOD_HIT_BLOCKS] = 0

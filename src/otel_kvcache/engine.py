@@ -134,8 +134,12 @@ class EngineTelemetry:
         streaming-input session's later chunks keep it)."""
         record = self.requests.get(request.request_id)
         if record is None:
-            record = self.requests[request.request_id] = self._blank_record[:]
-            record[START_NS] = int(request.arrival_time * 1e9)
+            record = self.requests[request.request_id] = self._new_record(request)
+        return record
+
+    def _new_record(self, request: Any) -> array:
+        record = self._blank_record[:]
+        record[START_NS] = int(request.arrival_time * 1e9)
         return record
 
     def on_admission_attempt(self, request: Any) -> None:
@@ -227,8 +231,7 @@ class EngineTelemetry:
         request_id = request.request_id
         record = self.requests.pop(request_id, None)
         if record is None:  # never looked at by the scheduler: aborted while waiting
-            record = self._blank_record[:]
-            record[START_NS] = int(request.arrival_time * 1e9)
+            record = self._new_record(request)
         end_admission_period(record, freed)
         free = self.pool.queue.num_free_blocks
         record[RELEASED_NS] = time.time_ns()

@@ -121,22 +121,10 @@ def finished_request(ended: tuple) -> FinishedRequest:
     return FinishedRequest(
         request_id=request_id,
         trace_headers=trace_headers,
-        start_ns=counts[record.START_NS],
-        input_tokens=counts[record.INPUT_TOKENS],
-        output_tokens=counts[record.OUTPUT_TOKENS],
-        cache_read_tokens=counts[record.CACHE_READ_TOKENS],
-        block_size=counts[record.BLOCK_SIZE],
-        peak=counts[record.PEAK],
-        allocated=counts[record.ALLOCATED],
-        prefix_hit_blocks=counts[record.PREFIX_HIT_BLOCKS],
-        freed=counts[record.FREED],
-        preemptions=counts[record.PREEMPTIONS],
-        recomputed_tokens=counts[record.RECOMPUTED_TOKENS],
-        stalls=counts[record.STALLS],
         finish_reason=finish_reason,
         events=events,
-        still_held=counts[record.STILL_HELD],
         engine_attributes=engine_attributes,
+        **dict(zip(record.REPORTED, counts)),
     )
 
 

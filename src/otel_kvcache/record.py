@@ -79,6 +79,8 @@ FIELDS = (
     PROGRESS_STEP,
 ) = range(len(FIELDS))
 
+REPORTED = FIELDS[: STILL_HELD + 1]
+"""The counts the span reports, named as ``export.FinishedRequest``'s fields."""
 TYPECODE = "q"
 
 

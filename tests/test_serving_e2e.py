@@ -161,9 +161,9 @@ def test_growing_chats_on_a_small_pool_report_vllms_preemptions(server, sink):
 
     async def chats():
         client = LoadClient(server.url, str(server.config.model))
-        together = asyncio.Barrier(8)  # every turn of the 8 chats arrives at once: the pool must overflow
+        together = asyncio.Barrier(12)  # every turn of the 12 chats arrives at once: the pool must overflow
         try:
-            await asyncio.gather(*(growing_chat(client, i, 4, 96, together) for i in range(8)))
+            await asyncio.gather(*(growing_chat(client, i, 4, 96, together) for i in range(12)))
         finally:
             await client.close()
         return client.sent

@@ -247,7 +247,14 @@ class EngineTelemetry:
         if not get_current().get(_SUPPRESS_INSTRUMENTATION_KEY):
             # export.RequestEnded's fields, as a plain tuple: the cheapest to build and to serialize.
             self.exporter.request_ended(
-                (request_id, request.trace_headers, finish_reason(request.status), record.tobytes(), events, self.attributes)
+                (
+                    request_id,
+                    request.trace_headers,
+                    finish_reason(request.status),
+                    record.tobytes(),
+                    events,
+                    self.attributes,
+                )
             )
         if not self._scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): look now.

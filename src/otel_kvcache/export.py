@@ -114,7 +114,8 @@ def finished_request(ended: tuple) -> FinishedRequest:
             )
         )
     events.extend(more_events or ())
-    released_ns, free, used = counts[record.RELEASED_NS], counts[record.RELEASED_POOL_FREE], counts[record.RELEASED_POOL_USED]
+    released_ns = counts[record.RELEASED_NS]
+    free, used = counts[record.RELEASED_POOL_FREE], counts[record.RELEASED_POOL_USED]
     events.append((names.EVENT_RELEASED, released_ns, counts[record.FREED], finish_reason, free, used))
     if counts[record.STILL_HELD]:  # vLLM's free path kept the request's blocks: a leak, seen at once
         events.append((names.EVENT_LEAK, released_ns, counts[record.STILL_HELD], request_id, free, used))

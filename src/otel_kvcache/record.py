@@ -7,8 +7,8 @@ made of Python objects (a slotted object, its event list and tuples, an int
 object per large count) is a dozen small objects allocated at admission,
 scattered over the heap, all cold again when the request ends. Reading and
 serializing them at release took about 5 us in the decode-heavy loop, the
-largest single item on the engine thread; an ``array`` is two objects, its
-counts side by side, and the garbage collector tracks none of it.
+largest single item on the engine thread; an ``array`` is one object and its
+buffer, its counts side by side, and the garbage collector tracks neither.
 
 Events other than the first admission and the release (preempted, resumed,
 stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).

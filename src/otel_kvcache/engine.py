@@ -35,26 +35,23 @@ from otel_kvcache.record import (
     ADMITTED_HIT_TOKENS,
     ADMITTED_NS,
     ADMITTED_POOL_FREE,
-    ADMITTED_POOL_USED,
-    CACHE_READ_TOKENS,
     FREED,
     INPUT_TOKENS,
     LAST_STALL_STEP,
     OUTPUT_TOKENS,
     PEAK,
     PENDING_HIT_TOKENS,
-    PERIOD_HIT_BLOCKS,
+    PERIOD_HIT_TOKENS,
     PREEMPTIONS,
-    PREFIX_HIT_BLOCKS,
     RECOMPUTED_TOKENS,
     RELEASED_NS,
     RELEASED_POOL_FREE,
-    RELEASED_POOL_USED,
     START_NS,
     STALLS,
     STILL_HELD,
     blank_record,
-    end_admission_period,
+    close_admission_period,
+    count_period_hits,
 )
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import RequestExporter
@@ -96,7 +93,7 @@ class EngineTelemetry:
         """Live requests' records (``record.py``), by request id."""
         self.extra_events: dict[str, list[tuple]] = {}
         """Live requests' events other than the first admission (preempted, resumed, stuck, zombie)."""
-        self._blank_record = blank_record(self.block_size)
+        self._blank_record = blank_record(self.block_size, self.pool.limit)
         self.step = 0
         # Cumulative counters, exported by observable counters.
         self.preemptions = 0
@@ -172,28 +169,26 @@ class EngineTelemetry:
             self._chores(now)
 
     def _admitted(self, request_id: str) -> None:
+        """An admission opens a period; its prefix hits count when the period closes
+        (``record.close_admission_period``: at a preemption, or in the exporter)."""
         record = self.requests.get(request_id)
         if record is None:  # admitted without a prefix-cache lookup
             record = self._record_of(self._scheduler_requests[request_id])
         hit_tokens = record[PENDING_HIT_TOKENS]
         record[PENDING_HIT_TOKENS] = 0
-        hit_blocks = -(-hit_tokens // self.block_size)
-        record[CACHE_READ_TOKENS] += hit_tokens
-        record[PREFIX_HIT_BLOCKS] += hit_blocks
-        record[PERIOD_HIT_BLOCKS] = hit_blocks
         held = self.held_blocks(request_id)
-        if held > record[PEAK]:
-            record[PEAK] = held
         if record[ADMITTED_NS] or record[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
+            count_period_hits(record)
+            if held > record[PEAK]:
+                record[PEAK] = held
             event = names.EVENT_RESUMED if record[PREEMPTIONS] else names.EVENT_ADMITTED
             self.event(request_id, event, held, hit_tokens)
-        else:
-            free = self.pool.queue.num_free_blocks
+        else:  # the first admission's blocks count towards the peak in the exporter
             record[ADMITTED_NS] = time.time_ns()
             record[ADMITTED_BLOCKS] = held
             record[ADMITTED_HIT_TOKENS] = hit_tokens
-            record[ADMITTED_POOL_FREE] = free
-            record[ADMITTED_POOL_USED] = self.pool.limit - free
+            record[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
+        record[PERIOD_HIT_TOKENS] = hit_tokens
 
     def on_stall(self, request: Any) -> None:
         """The scheduler tried to give this request blocks in this step and found none."""
@@ -221,7 +216,7 @@ class EngineTelemetry:
             return
         record[PREEMPTIONS] += 1
         record[RECOMPUTED_TOKENS] += computed
-        end_admission_period(record, released)
+        close_admission_period(record, released)
         self.event(request.request_id, names.EVENT_PREEMPTED, released, computed)
 
     def before_release(self, request: Any) -> int:
@@ -232,12 +227,10 @@ class EngineTelemetry:
         record = self.requests.pop(request_id, None)
         if record is None:  # never looked at by the scheduler: aborted while waiting
             record = self._new_record(request)
-        end_admission_period(record, freed)
-        free = self.pool.queue.num_free_blocks
-        record[RELEASED_NS] = time.time_ns()
-        record[RELEASED_POOL_FREE] = free
-        record[RELEASED_POOL_USED] = self.pool.limit - free
+        # The exporter closes the last admission period (record.close_admission_period).
         record[FREED] = freed
+        record[RELEASED_NS] = time.time_ns()
+        record[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
         record[STILL_HELD] = self.held_blocks(request_id)
         record[INPUT_TOKENS] = request.num_prompt_tokens

@@ -101,21 +101,18 @@ def finished_request(ended: tuple) -> FinishedRequest:
     """A ``RequestEnded`` (or a plain tuple in its order) read back into a ``FinishedRequest``."""
     request_id, trace_headers, finish_reason, record_bytes, more_events, engine_attributes = ended
     counts = array(record.TYPECODE, record_bytes)
+    # The last admission period, closed here rather than on the engine thread.
+    record.close_admission_period(counts, counts[record.FREED])
+    counts[record.PEAK] = max(counts[record.PEAK], counts[record.ADMITTED_BLOCKS])
+    limit = counts[record.POOL_LIMIT]
     events = []
     if counts[record.ADMITTED_NS]:
-        events.append(
-            (
-                names.EVENT_ADMITTED,
-                counts[record.ADMITTED_NS],
-                counts[record.ADMITTED_BLOCKS],
-                counts[record.ADMITTED_HIT_TOKENS],
-                counts[record.ADMITTED_POOL_FREE],
-                counts[record.ADMITTED_POOL_USED],
-            )
-        )
+        free = counts[record.ADMITTED_POOL_FREE]
+        admitted = counts[record.ADMITTED_BLOCKS], counts[record.ADMITTED_HIT_TOKENS], free, limit - free
+        events.append((names.EVENT_ADMITTED, counts[record.ADMITTED_NS], *admitted))
     events.extend(more_events or ())
-    released_ns = counts[record.RELEASED_NS]
-    free, used = counts[record.RELEASED_POOL_FREE], counts[record.RELEASED_POOL_USED]
+    released_ns, free = counts[record.RELEASED_NS], counts[record.RELEASED_POOL_FREE]
+    used = limit - free
     events.append((names.EVENT_RELEASED, released_ns, counts[record.FREED], finish_reason, free, used))
     if counts[record.STILL_HELD]:  # vLLM's free path kept the request's blocks: a leak, seen at once
         events.append((names.EVENT_LEAK, released_ns, counts[record.STILL_HELD], request_id, free, used))

@@ -13,7 +13,8 @@ collection walked vLLM's young objects, its live requests among them (churn:
 3 us a record). The pipe is non-blocking and as large as Linux lets it be made
 (``PIPE_BYTES``); what it cannot take at once is written again
 ``RETRY_SECONDS`` later. If the helper falls behind by more than
-``MAX_BUFFERED_BYTES``, records are dropped and counted, never waited for.
+``MAX_BUFFERED_BYTES``, a frame's records are dropped and counted, never
+waited for.
 
 The helper configures the OpenTelemetry SDK from the inherited ``OTEL_*``
 environment (by ``opentelemetry-instrument``'s sitecustomize, or here if it
@@ -99,15 +100,12 @@ class ExporterProcess:
 
     def _add(self, fields: tuple) -> None:
         """A record (``RequestEnded`` or ``Finding`` fields, as a plain tuple),
-        serialized for the next frame; dropped and counted past ``MAX_BUFFERED_BYTES``."""
+        serialized for the next frame (``flush`` bounds what waits)."""
         try:
             record = marshal.dumps(fields, MARSHAL_VERSION)
         except ValueError:  # a request's trace headers in a mapping that is not a dict
             fields = tuple(RequestEnded._make(fields)._replace(trace_headers=dict(fields[1])))
             record = marshal.dumps(fields, MARSHAL_VERSION)
-        if len(self._records) + len(self._outgoing) > MAX_BUFFERED_BYTES:
-            self._drop(1)
-            return
         self._records += record
         self._record_count += 1
 
@@ -126,7 +124,8 @@ class ExporterProcess:
 
     def flush(self) -> None:
         if self._record_count:
-            if self._helper_gone:
+            # Past MAX_BUFFERED_BYTES of frames the helper has not read, a frame is dropped.
+            if self._helper_gone or len(self._outgoing) > MAX_BUFFERED_BYTES:
                 self._drop(self._record_count)
             else:
                 self._outgoing += _FRAME_HEADER.pack(len(self._records))

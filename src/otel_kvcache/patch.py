@@ -44,10 +44,15 @@ EngineMethod = Callable[..., Any]
 
 
 # Hot-path method bodies (``signatures.method_like`` gives them vLLM's parameters):
-# ``{self}``, ``{first}`` and ``{arguments}`` are the call's own.
+# ``{self}``, ``{first}`` and ``{arguments}`` are the call's own, ``{engine}`` our
+# attribute. An attribute read costs less than ``getattr(..., None)``, a builtin call;
+# objects built before ``instrument()`` lack it and pass straight through.
 _OURS = """\
-    engine = getattr({self}, ENGINE_ATTRIBUTE, None)
-    if engine is not None:
+    try:
+        engine = {self}.{engine}
+    except AttributeError:  # built before instrument(): no telemetry
+        pass
+    else:
         try:
             {ours}
         except Exception as exc:  # ours, never vLLM's
@@ -56,8 +61,9 @@ _OURS = """\
 _AFTER = "    result = original({self}, {arguments})\n" + _OURS + "    return result\n"
 _BEFORE = _OURS + "    return original({self}, {arguments})\n"
 _AROUND = """\
-    engine = getattr({self}, ENGINE_ATTRIBUTE, None)
-    if engine is None:
+    try:
+        engine = {self}.{engine}
+    except AttributeError:  # built before instrument(): no telemetry
         return original({self}, {arguments})
     try:
         state = before(engine, {first})
@@ -74,8 +80,10 @@ _AROUND = """\
 
 
 def _builder(body: str, hook: str, errors: InstrumentationErrors, **ours: Callable[..., Any]) -> MethodBuilder:
+    body = body.replace("{engine}", ENGINE_ATTRIBUTE)
+
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        names = {"original": original, "ENGINE_ATTRIBUTE": ENGINE_ATTRIBUTE, "errors": errors, "hook": hook, **ours}
+        names = {"original": original, "errors": errors, "hook": hook, **ours}
         return method_like(original, body, names)
 
     return build

@@ -180,14 +180,14 @@ class PoolTracker:
             if self._unpinning:
                 self._unpinning = False
                 live -= countOf(map(self._block_hash, blocks), None)
-            run = [queued, live, time.monotonic(), None]
             if self._eager_appends:
                 self._eager_appends -= 1
+                run = [queued, live, time.monotonic(), None]
                 run_of = self._run_of
                 for block in blocks:
                     run_of[block.block_id] = run
-            else:
-                run[BLOCKS] = blocks  # vLLM builds the list for this call and drops it after
+            else:  # vLLM builds the list for this call and drops it after: the run keeps it
+                run = [queued, live, time.monotonic(), blocks]
             self._runs.append(run)
             self._queued += queued
             self.cached += live

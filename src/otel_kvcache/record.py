@@ -19,7 +19,9 @@ from __future__ import annotations
 from array import array
 
 FIELDS = (
-    # What the span reports.
+    # What the span reports. The prefix-hit, peak and allocated counts sum the
+    # admission periods closed so far: a preemption closes one on the engine
+    # thread, the exporter closes the last (``close_admission_period``).
     "start_ns",
     "block_size",
     "input_tokens",
@@ -34,17 +36,17 @@ FIELDS = (
     "stalls",
     "still_held",
     # The first admission and the release, as events: when, blocks, prefix-hit
-    # tokens (admission), and the pool's free and used blocks then.
+    # tokens (admission), and the pool's free blocks then (its used ones are the
+    # rest of its limit).
     "admitted_ns",
     "admitted_blocks",
     "admitted_hit_tokens",
     "admitted_pool_free",
-    "admitted_pool_used",
     "released_ns",
     "released_pool_free",
-    "released_pool_used",
+    "pool_limit",
     # The engine's own bookkeeping.
-    "period_hit_blocks",  # prefix-hit blocks of the current admission
+    "period_hit_tokens",  # prefix-hit tokens of the admission period under way
     "pending_hit_tokens",  # the prefix lookup of an admission not yet confirmed
     "last_stall_step",
     "progress_tokens",  # computed tokens when the reconciler last looked
@@ -68,11 +70,10 @@ FIELDS = (
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
     ADMITTED_POOL_FREE,
-    ADMITTED_POOL_USED,
     RELEASED_NS,
     RELEASED_POOL_FREE,
-    RELEASED_POOL_USED,
-    PERIOD_HIT_BLOCKS,
+    POOL_LIMIT,
+    PERIOD_HIT_TOKENS,
     PENDING_HIT_TOKENS,
     LAST_STALL_STEP,
     PROGRESS_TOKENS,
@@ -84,22 +85,36 @@ REPORTED = FIELDS[: STILL_HELD + 1]
 TYPECODE = "q"
 
 
-def blank_record(block_size: int) -> array:
+def blank_record(block_size: int, pool_limit: int) -> array:
     """The record of a request nothing has happened to yet (new ones are copies: ``blank[:]``)."""
     record = array(TYPECODE, bytes(8 * len(FIELDS)))
     record[BLOCK_SIZE] = block_size
+    record[POOL_LIMIT] = pool_limit
     record[LAST_STALL_STEP] = -1
     record[PROGRESS_TOKENS] = -1
     return record
 
 
-def end_admission_period(record: array, held: int) -> None:
-    """Blocks held when an admission ends (preempted or released): peak, and the new ones among them.
+def close_admission_period(record: array, held: int) -> None:
+    """An admission period ends (preempted, or released) holding ``held`` blocks:
+    its prefix hits, its peak, and the new blocks among those it holds.
 
     With full attention a request's blocks only grow while it runs, so the
     blocks it holds when preempted or released are its most in that period.
     """
+    hit_tokens = record[PERIOD_HIT_TOKENS]
+    hit_blocks = -(-hit_tokens // record[BLOCK_SIZE])
+    record[CACHE_READ_TOKENS] += hit_tokens
+    record[PREFIX_HIT_BLOCKS] += hit_blocks
+    record[ALLOCATED] += max(held - hit_blocks, 0)
     if held > record[PEAK]:
         record[PEAK] = held
-    record[ALLOCATED] += max(held - record[PERIOD_HIT_BLOCKS], 0)
-    record[PERIOD_HIT_BLOCKS] = 0
+    record[PERIOD_HIT_TOKENS] = 0
+
+
+def count_period_hits(record: array) -> None:
+    """A later admission in the same period (a streaming session's next chunk): the
+    earlier one's prefix hits count now, the new one's when the period closes."""
+    hit_tokens = record[PERIOD_HIT_TOKENS]
+    record[CACHE_READ_TOKENS] += hit_tokens
+    record[PREFIX_HIT_BLOCKS] += -(-hit_tokens // record[BLOCK_SIZE])

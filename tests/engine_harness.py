@@ -115,6 +115,23 @@ class GroundTruth:
     first_admission_cached_tokens: dict[str, int] = field(default_factory=dict)
     peak_blocks: Counter = field(default_factory=Counter)
     last_held_blocks: dict[str, int] = field(default_factory=dict)
+    stalls: set[tuple[str, int]] = field(default_factory=set)
+    """(request id, step) where vLLM's ``allocate_slots`` found no blocks for the request."""
+
+
+class _AllocationRecorder:
+    """Calls the KV manager's ``allocate_slots`` and keeps, per step, the requests it
+    found no blocks for (it returns None)."""
+
+    def __init__(self, harness: EngineHarness) -> None:
+        self.harness = harness
+        self._allocate = harness.scheduler.kv_cache_manager.allocate_slots
+
+    def __call__(self, request, *args, **kwargs):
+        blocks = self._allocate(request, *args, **kwargs)
+        if blocks is None:
+            self.harness.truth.stalls.add((request.request_id, self.harness.steps))
+        return blocks
 
 
 class _HitRecorder:
@@ -149,6 +166,7 @@ class EngineHarness:
         scheduler.kv_event_publisher = self.events
         pool = scheduler.kv_cache_manager.block_pool
         self.hits = pool.touch = _HitRecorder(pool)
+        scheduler.kv_cache_manager.allocate_slots = _AllocationRecorder(self)
         init_none_hash(sha256)
         self.block_size = scheduler.block_size
         self._hasher = get_request_block_hasher(self.block_size, sha256)

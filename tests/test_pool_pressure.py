@@ -35,6 +35,8 @@ def test_preemptions_stalls_and_evictions_match_vllm(make_engine, telemetry):
         assert attrs[names.PREEMPTIONS] == request.num_preemptions
         assert attrs[names.FINISH_REASON] == str(request.get_finished_reason())
         assert attrs[names.OUTPUT_TOKENS] == request.num_output_tokens
+        # Steps in which vLLM's allocate_slots found no blocks for it.
+        assert attrs[names.ALLOCATION_STALLS] == sum(rid == request.request_id for rid, _ in engine.truth.stalls)
         assert attrs[names.BLOCKS_PEAK] == engine.truth.peak_blocks[request.request_id]
         assert attrs[names.BLOCKS_FREED] == engine.truth.last_held_blocks[request.request_id]
         events = [e.name for e in span.events]
@@ -49,9 +51,8 @@ def test_preemptions_stalls_and_evictions_match_vllm(make_engine, telemetry):
             assert attrs[names.RECOMPUTED_TOKENS] == 0
 
     assert telemetry.total(names.PREEMPTIONS) == total_preemptions
-    stalls = sum(s.attributes[names.ALLOCATION_STALLS] for s in spans.values())
-    assert stalls > 0
-    assert telemetry.total(names.ALLOCATION_STALLS) == stalls
+    assert engine.truth.stalls, "the workload must run out of blocks for this test to mean anything"
+    assert telemetry.total(names.ALLOCATION_STALLS) == len(engine.truth.stalls)
     # Every hash vLLM dropped from its prefix cache (its KV events) is one evicted block here.
     assert engine.events.removed_hashes > 0
     assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes

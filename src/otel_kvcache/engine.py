@@ -6,7 +6,7 @@ thread, so it is written for the scheduler's hot loop:
 
 - nothing runs per scheduled request per step: a request is looked at when it
   is admitted, preempted or released (its record is made at its first
-  admission attempt), and a step costs, after ``schedule()``, settling what
+  admission, or its first failed attempt), and a step costs, after ``schedule()``, settling what
   the step's allocations popped off the free queue and one clock read; the
   chores (reconciliation, the hand-over to the exporter) run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
@@ -40,7 +40,6 @@ from otel_kvcache.record import (
     LAST_STALL_STEP,
     OUTPUT_TOKENS,
     PEAK,
-    PENDING_HIT_TOKENS,
     PERIOD_HIT_TOKENS,
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
@@ -102,7 +101,8 @@ class EngineTelemetry:
         self.allocation_stalls = 0
         self.computed_tokens = 0
         self.recomputed_tokens = 0
-        self._attempted: list[Any] = []  # admissions tried this step
+        self._last_attempt: Any = None  # the step's last admission attempt, the only one that can stall
+        self.pending_hits: dict[str, int] = {}  # prefix-hit tokens of admissions under way, by request id
         self._type_managers = tuple(
             (type_manager, may_hold_null_blocks(type_manager))
             for type_manager in manager.coordinator.single_type_managers
@@ -127,7 +127,7 @@ class EngineTelemetry:
     # --- request lifecycle ----------------------------------------------------
 
     def _record_of(self, request: Any) -> array:
-        """The request's record, made when the scheduler first looks at it (a
+        """The request's record, made at its first admission or failed attempt (a
         streaming-input session's later chunks keep it)."""
         record = self.requests.get(request.request_id)
         if record is None:
@@ -140,28 +140,29 @@ class EngineTelemetry:
         return record
 
     def on_admission_attempt(self, request: Any) -> None:
-        self._attempted.append(request)
+        self._last_attempt = request
 
     def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
         """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
         (vLLM's arguments, as it passes them)."""
-        self._record_of(request)[PENDING_HIT_TOKENS] = num_hits
+        self.pending_hits[request.request_id] = num_hits  # taken once the step's admissions are known
         if self._lookup_enabled(request):  # vLLM's own test for counting the lookup
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hits
 
     def on_scheduled(self, output: Any) -> None:
-        """After ``schedule()``, once a step: the step's admissions, the attempts that
-        found no blocks, the evictions of its allocations; chores when due."""
+        """After ``schedule()``, once a step: the step's admissions, the attempt that
+        found no blocks (vLLM stops admitting there: only the last one can have),
+        the evictions of its allocations; chores when due."""
         for new_request in output.scheduled_new_reqs:
             self._admitted(new_request.req_id)
         for request_id in output.scheduled_cached_reqs.resumed_req_ids:
             self._admitted(request_id)
-        if self._attempted:
-            for request in self._attempted:
-                if is_waiting_for_blocks(request):  # not admitted (it would be running now)
-                    self.on_stall(request)
-            self._attempted.clear()
+        attempt = self._last_attempt
+        if attempt is not None:
+            self._last_attempt = None
+            if is_waiting_for_blocks(attempt):  # not admitted (it would be running now)
+                self.on_stall(attempt)
         self.pool.settle()
         self.step += 1
         now = time.monotonic()
@@ -172,10 +173,9 @@ class EngineTelemetry:
         """An admission opens a period; its prefix hits count when the period closes
         (``record.close_admission_period``: at a preemption, or in the exporter)."""
         record = self.requests.get(request_id)
-        if record is None:  # admitted without a prefix-cache lookup
-            record = self._record_of(self._scheduler_requests[request_id])
-        hit_tokens = record[PENDING_HIT_TOKENS]
-        record[PENDING_HIT_TOKENS] = 0
+        if record is None:
+            record = self.requests[request_id] = self._new_record(self._scheduler_requests[request_id])
+        hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
         held = self.held_blocks(request_id)
         if record[ADMITTED_NS] or record[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
             count_period_hits(record)
@@ -237,6 +237,8 @@ class EngineTelemetry:
         record[OUTPUT_TOKENS] = request.num_output_tokens
         self.computed_tokens += request.num_computed_tokens + record[RECOMPUTED_TOKENS]
         events = self.extra_events.pop(request_id, None) if self.extra_events else None
+        if self.pending_hits:  # looked up, then aborted while its remote KV was loading
+            self.pending_hits.pop(request_id, None)
         if not get_current().get(_SUPPRESS_INSTRUMENTATION_KEY):
             # export.RequestEnded's fields, as a plain tuple: the cheapest to build and to serialize.
             self.exporter.request_ended(

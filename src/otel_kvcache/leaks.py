@@ -122,6 +122,8 @@ class Reconciler:
         for request_id in [rid for rid in engine.requests if rid not in live]:
             del engine.requests[request_id]
             engine.extra_events.pop(request_id, None)
+        for request_id in [rid for rid in engine.pending_hits if rid not in live]:
+            del engine.pending_hits[request_id]
 
         pool = engine.pool
         orphaned = max(pool.references() - accounted, 0)

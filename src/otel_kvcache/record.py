@@ -47,7 +47,6 @@ FIELDS = (
     "pool_limit",
     # The engine's own bookkeeping.
     "period_hit_tokens",  # prefix-hit tokens of the admission period under way
-    "pending_hit_tokens",  # the prefix lookup of an admission not yet confirmed
     "last_stall_step",
     "progress_tokens",  # computed tokens when the reconciler last looked
     "progress_step",
@@ -74,7 +73,6 @@ FIELDS = (
     RELEASED_POOL_FREE,
     POOL_LIMIT,
     PERIOD_HIT_TOKENS,
-    PENDING_HIT_TOKENS,
     LAST_STALL_STEP,
     PROGRESS_TOKENS,
     PROGRESS_STEP,

@@ -46,7 +46,8 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # step's work is done after it (the pool's gauges are read as they are).
     HookPoint(SCHEDULER_MODULE, "Scheduler", "schedule", "scheduled"),
     # The waiting loop's prefix lookup: one call per admission attempt of a
-    # new or preempted request, before its blocks are allocated.
+    # new or preempted request, before its blocks are allocated. The loop stops
+    # at the first attempt whose allocation fails: only a step's last one can.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "_get_local_prefix_cache_hit", "admission_attempt"),
     # Frees all of a request's blocks and increments Request.num_preemptions.
     HookPoint(SCHEDULER_MODULE, "Scheduler", "_preempt_request", "preempt"),

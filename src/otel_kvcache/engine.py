@@ -59,7 +59,7 @@ from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
 from otel_kvcache.vllm_compat import (
     engine_index,
-    finish_reason,
+    finish_reasons_by_status,
     held_blocks_counter,
     is_waiting_for_blocks,
     kv_bytes_per_block,
@@ -110,6 +110,7 @@ class EngineTelemetry:
         self.held_blocks = held_blocks_counter(self._type_managers)
         """Blocks the KV manager holds for a request now, across all groups."""
         self._scheduler_requests: dict[str, Any] = scheduler.requests
+        self._finish_reasons = finish_reasons_by_status()
         self._lookup_enabled = manager.prefix_cache_lookup_enabled
         self.reconciler = Reconciler(self, scheduler)
         self._chores_due = 0.0
@@ -245,7 +246,7 @@ class EngineTelemetry:
                 (
                     request_id,
                     request.trace_headers,
-                    finish_reason(request.status),
+                    self._finish_reasons[request.status],
                     record.tobytes(),
                     events,
                     self.attributes,

@@ -129,15 +129,12 @@ def request_being_scheduled() -> Any | None:
     return None if frame is None else frame.f_locals.get("request")
 
 
-_reason_by_status: dict[Any, str] = {}
+def finish_reasons_by_status() -> dict[Any, str]:
+    """Every ``RequestStatus`` -> its finish reason ("unknown" if it is not one), so that
+    a release costs a dict lookup (``RequestStatus`` is an ``IntEnum``; ``.name`` is slow)."""
+    from vllm.v1.request import RequestStatus
 
-
-def finish_reason(status: Any) -> str:
-    """``RequestStatus`` is an ``IntEnum``: looked up by value, as its ``.name`` is slow."""
-    reason = _reason_by_status.get(status)
-    if reason is None:
-        reason = _reason_by_status[status] = FINISH_REASONS.get(getattr(status, "name", str(status)), "unknown")
-    return reason
+    return {status: FINISH_REASONS.get(status.name, "unknown") for status in RequestStatus}
 
 
 def engine_index(vllm_config: Any) -> int:

@@ -132,6 +132,48 @@ def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, help
     exporter.close()
 
 
+def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, helper_exports_to, monkeypatch):
+    """A helper that falls behind (here: stopped) leaves frames unread in the engine;
+    past MAX_BUFFERED_BYTES of them, what a new frame would carry is dropped and
+    counted, and vLLM runs on. Every request's span is exported or counted."""
+    import fcntl
+    import signal
+
+    from engine_harness import EngineHarness, make_scheduler
+
+    from otel_kvcache import exporter_process
+
+    monkeypatch.setattr(exporter_process, "MAX_BUFFERED_BYTES", 0)  # one unread frame is too many
+    sink = helper_exports_to
+    telemetry = Telemetry()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=telemetry.meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=512, max_num_seqs=64))
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, 4096)  # a page: a few records fill it
+        os.kill(exporter.process.pid, signal.SIGSTOP)
+        requests = []
+        for wave in range(3):  # the engine hands over what it has whenever it goes idle
+            requests += [
+                engine.add(engine.make_request(f"wave-{wave}-{i:02d}", prompt_len=20, max_tokens=2)) for i in range(20)
+            ]
+            engine.run()
+        assert exporter.dropped > 0
+        os.kill(exporter.process.pid, signal.SIGCONT)
+        exporter.close()  # what is left of the first frames, then EOF
+    finally:
+        instrumentor.uninstrument()
+    exported = {
+        attributes_of(span.attributes)[names.REQUEST_ID] for _, span in sink.spans() if span.name == names.KV_REQUEST_SPAN
+    }
+    assert exported < {r.request_id for r in requests}
+    assert len(exported) + exporter.dropped == len(requests)
+    assert all(r.num_output_tokens == 2 for r in requests)
+    errors = telemetry.points(names.INSTRUMENTATION_ERRORS)
+    assert {p.attributes[names.HOOK] for p in errors} == {"exporter_process"}
+
+
 def test_a_finding_about_an_ended_request_joins_its_trace_from_the_helper(
     model_config, helper_exports_to, monkeypatch
 ):

@@ -141,6 +141,7 @@ class EngineTelemetry:
         return record
 
     def on_admission_attempt(self, request: Any) -> None:
+        """Before vLLM allocates for a waiting request: looked at after ``schedule()``."""
         self._last_attempt = request
 
     def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:

@@ -165,7 +165,9 @@ def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, help
     finally:
         instrumentor.uninstrument()
     exported = {
-        attributes_of(span.attributes)[names.REQUEST_ID] for _, span in sink.spans() if span.name == names.KV_REQUEST_SPAN
+        attributes_of(span.attributes)[names.REQUEST_ID]
+        for _, span in sink.spans()
+        if span.name == names.KV_REQUEST_SPAN
     }
     assert exported < {r.request_id for r in requests}
     assert len(exported) + exporter.dropped == len(requests)

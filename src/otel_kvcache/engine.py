@@ -6,9 +6,10 @@ thread, so it is written for the scheduler's hot loop:
 
 - nothing runs per scheduled request per step: a request is looked at when it
   is admitted, preempted or released (its record is made at its first
-  admission, or its first failed attempt), and a step costs, after ``schedule()``, settling what
-  the step's allocations popped off the free queue and one clock read; the
-  chores (reconciliation, the hand-over to the exporter) run when one is due;
+  admission, or its first failed attempt), and a step costs, after
+  ``schedule()``, settling what the step's allocations popped off the free
+  queue and one clock read; the chores (reconciliation, the hand-over to the
+  exporter) run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
   by observable instruments on the metric reader's thread (``snapshot``);
 - a live request costs a record, one flat array of counts (``record.py``),
@@ -227,7 +228,7 @@ class EngineTelemetry:
     def on_released(self, request: Any, freed: int) -> None:
         request_id = request.request_id
         record = self.requests.pop(request_id, None)
-        if record is None:  # never looked at by the scheduler: aborted while waiting
+        if record is None:  # never admitted nor stalled: aborted while waiting
             record = self._new_record(request)
         # The exporter closes the last admission period (record.close_admission_period).
         record[FREED] = freed

@@ -176,7 +176,7 @@ class EngineTelemetry:
         """An admission opens a period; its prefix hits count when the period closes
         (``record.close_admission_period``: at a preemption, or in the exporter)."""
         record = self.requests.get(request_id)
-        if record is None:
+        if record is None:  # _record_of, without its second lookup (once per admission)
             record = self.requests[request_id] = self._new_record(self._scheduler_requests[request_id])
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
         held = self.held_blocks(request_id)

@@ -100,19 +100,19 @@ def close_admission_period(record: array, held: int) -> None:
     With full attention a request's blocks only grow while it runs, so the
     blocks it holds when preempted or released are its most in that period.
     """
-    hit_tokens = record[PERIOD_HIT_TOKENS]
-    hit_blocks = -(-hit_tokens // record[BLOCK_SIZE])
-    record[CACHE_READ_TOKENS] += hit_tokens
-    record[PREFIX_HIT_BLOCKS] += hit_blocks
+    hit_blocks = count_period_hits(record)
     record[ALLOCATED] += max(held - hit_blocks, 0)
     if held > record[PEAK]:
         record[PEAK] = held
     record[PERIOD_HIT_TOKENS] = 0
 
 
-def count_period_hits(record: array) -> None:
-    """A later admission in the same period (a streaming session's next chunk): the
-    earlier one's prefix hits count now, the new one's when the period closes."""
+def count_period_hits(record: array) -> int:
+    """The period's prefix hits join the request's; returns them in blocks. Also for
+    a later admission in the same period (a streaming session's next chunk): the
+    earlier one's hits count then, the new one's when the period closes."""
     hit_tokens = record[PERIOD_HIT_TOKENS]
+    hit_blocks = -(-hit_tokens // record[BLOCK_SIZE])
     record[CACHE_READ_TOKENS] += hit_tokens
-    record[PREFIX_HIT_BLOCKS] += -(-hit_tokens // record[BLOCK_SIZE])
+    record[PREFIX_HIT_BLOCKS] += hit_blocks
+    return hit_blocks

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import multiprocessing
 import sys
 
 OURS = ("/otel_kvcache/", "<otel-kvcache wrapper")
@@ -77,10 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="decode-heavy,churn,wide")
     parser.add_argument("--top", type=int, default=12, help="functions listed per workload")
     args = parser.parse_args(argv)
-    context = multiprocessing.get_context("spawn")
-    for name in args.workloads.split(","):
-        with context.Pool(1) as pool:  # a fresh process each: instrumenting is for life
-            result = pool.apply(count, (name, args.steps))
+    from benchmarks.scheduler_driver import in_fresh_processes
+
+    for name, result in in_fresh_processes(count, args.workloads.split(","), args.steps):
         print(
             f"{name:<14} otel-kvcache bytecodes: {result['per_step']:.0f} per step, "
             f"{result['per_request']:.0f} per finished request",

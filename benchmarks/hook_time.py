@@ -20,7 +20,6 @@ import argparse
 import collections
 import functools
 import importlib
-import multiprocessing
 import sys
 import time
 from time import perf_counter_ns
@@ -128,10 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--workloads", default="decode-heavy,churn,wide")
     args = parser.parse_args(argv)
-    context = multiprocessing.get_context("spawn")
-    for name in args.workloads.split(","):
-        with context.Pool(1) as pool:  # a fresh process each: instrumenting is for life
-            result = pool.apply(measure, (name, args.steps))
+    from benchmarks.scheduler_driver import in_fresh_processes
+
+    for name, result in in_fresh_processes(measure, args.workloads.split(","), args.steps):
         print(
             f"{name:<14} {result['step_ms']:.2f} ms/step | in otel-kvcache's hooks: "
             f"{result['us_per_step']:.1f} us/step, {result['us_per_request']:.1f} us per finished request, "

@@ -9,7 +9,9 @@ token per scheduled request per step.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from vllm.sampling_params import SamplingParams
@@ -63,6 +65,15 @@ def workloads() -> list[Workload]:
         result.append(Workload(name, concurrency, prompt, shared, output, roomy))
         result.append(Workload(f"{name}/small-pool", concurrency, prompt, shared, output, roomy * 6 // 10))
     return result
+
+
+def in_fresh_processes(function: Callable, workload_names: list[str], *args) -> Iterator[tuple[str, object]]:
+    """``(name, function(name, *args))`` for each workload, each in a fresh process:
+    instrumenting is for the process's life."""
+    context = multiprocessing.get_context("spawn")
+    for name in workload_names:
+        with context.Pool(1) as pool:
+            yield name, pool.apply(function, (name, *args))
 
 
 _model_config = None

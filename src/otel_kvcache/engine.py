@@ -176,8 +176,9 @@ class EngineTelemetry:
         """An admission opens a period; its prefix hits count when the period closes
         (``record.close_admission_period``: at a preemption, or in the exporter)."""
         record = self.requests.get(request_id)
-        if record is None:  # _record_of, without its second lookup (once per admission)
-            record = self.requests[request_id] = self._new_record(self._scheduler_requests[request_id])
+        if record is None:  # _record_of and _new_record, without their calls (once per admission)
+            record = self.requests[request_id] = self._blank_record[:]
+            record[START_NS] = int(self._scheduler_requests[request_id].arrival_time * 1e9)
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
         held = self.held_blocks(request_id)
         if record[ADMITTED_NS] or record[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
@@ -249,7 +250,7 @@ class EngineTelemetry:
                     request_id,
                     request.trace_headers,
                     self._finish_reasons[request.status],
-                    record.tobytes(),
+                    record,  # the engine is done with it (marshal writes it as bytes)
                     events,
                     self.attributes,
                 )

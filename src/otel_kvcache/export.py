@@ -90,8 +90,8 @@ class RequestEnded(NamedTuple):
     request_id: str
     trace_headers: dict[str, str] | None
     finish_reason: str
-    record: bytes
-    """The request's record (``record.py``)."""
+    record: bytes | array
+    """The request's record (``record.py``): the array itself, or its bytes once serialized."""
     events: list[tuple] | None
     """Events other than the first admission and the release, as in ``FinishedRequest.events``."""
     engine_attributes: dict[str, Any]

@@ -135,30 +135,35 @@ class PoolTracker:
             return
         runs, now = self._runs, time.monotonic()
         self._queued -= count
-        evicted, age_sum, oldest = 0, 0.0, None
+        evicted, age_sum, oldest = 0, 0.0, now
         while count and runs:
             run = runs[0]
             queued, live, cached_at, _ = run
             if queued <= count:
                 runs.popleft()
-                if not queued:
+                count -= queued
+                if queued:
+                    run[QUEUED] = run[LIVE] = 0  # stale index entries may still point here
+                else:
                     self._empty_runs -= 1
                 taken = live
-                run[QUEUED] = run[LIVE] = 0
-                count -= queued
             else:
-                dead_taken = min(queued - live, count)
-                taken = count - dead_taken
-                run[QUEUED] -= count
-                run[LIVE] -= taken
+                dead = queued - live  # taken to go first
+                taken = count - dead if count > dead else 0
+                run[QUEUED] = queued - count
+                run[LIVE] = live - taken
                 count = 0
             if taken:
+                if not evicted:
+                    oldest = cached_at
                 evicted += taken
                 age_sum += taken * (now - cached_at)
-                if oldest is None:
-                    oldest = cached_at
-        if evicted:
-            self._count_evictions(evicted, age_sum, now - oldest)
+        if evicted:  # _count_evictions, without the call (once a step or more)
+            self.eviction_age_sum += age_sum
+            if now - oldest > self.eviction_age_max:
+                self.eviction_age_max = now - oldest
+            self.evictions += evicted
+            self.cached -= evicted
 
     def _count_evictions(self, evicted: int, age_sum: float, oldest_age: float) -> None:
         self.eviction_age_sum += age_sum

@@ -101,6 +101,7 @@ class EngineTelemetry:
         self.errors = errors
         self.block_size: int = scheduler.block_size
         self.attributes = {names.ENGINE_INDEX: engine_index(scheduler.vllm_config)}
+        self._attribute_items = tuple(self.attributes.items())  # as each finished request hands them over
         self.pool = PoolTracker(manager.block_pool)
         self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
         self.requests: dict[str, array] = {}
@@ -259,15 +260,18 @@ class EngineTelemetry:
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
         if not self._current_context().get(_SUPPRESS_INSTRUMENTATION_KEY):
-            # export.RequestEnded's fields, as a plain tuple: the cheapest to build and to serialize.
+            # export.RequestEnded's fields, as a plain tuple of strings, bytes and tuples:
+            # the cheapest to build and to serialize, and one the garbage collector
+            # stops tracking while the exporter holds it.
+            headers = request.trace_headers
             self.exporter.request_ended(
                 (
                     request_id,
-                    request.trace_headers,
+                    tuple(headers.items()) if headers else None,
                     self._finish_reasons[request.status],
-                    record,  # the engine is done with it (marshal writes it as bytes)
+                    record.tobytes(),
                     events,
-                    self.attributes,
+                    self._attribute_items,
                 )
             )
         if not self._scheduler_requests:

@@ -88,13 +88,15 @@ class RequestEnded(NamedTuple):
     """What the engine hands an exporter when a request ends, as a plain tuple in this order."""
 
     request_id: str
-    trace_headers: dict[str, str] | None
+    trace_headers: tuple[tuple[str, str], ...] | None
+    """The request's trace headers, as ``(name, value)`` pairs (a mapping also does)."""
     finish_reason: str
-    record: bytes | array
-    """The request's record (``record.py``): the array itself, or its bytes once serialized."""
+    record: bytes
+    """The request's record (``record.py``)."""
     events: list[tuple] | None
     """Events other than the first admission and the release, as in ``FinishedRequest.events``."""
-    engine_attributes: dict[str, Any]
+    engine_attributes: tuple[tuple[str, Any], ...]
+    """As ``(name, value)`` pairs (a mapping also does)."""
 
 
 def finished_request(ended: tuple) -> FinishedRequest:
@@ -118,10 +120,10 @@ def finished_request(ended: tuple) -> FinishedRequest:
         events.append((names.EVENT_LEAK, released_ns, counts[record.STILL_HELD], request_id, free, used))
     return FinishedRequest(
         request_id=request_id,
-        trace_headers=trace_headers,
+        trace_headers=dict(trace_headers) if trace_headers else None,
         finish_reason=finish_reason,
         events=events,
-        engine_attributes=engine_attributes,
+        engine_attributes=dict(engine_attributes),
         **dict(zip(record.REPORTED, counts)),
     )
 

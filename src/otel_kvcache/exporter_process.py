@@ -11,10 +11,11 @@ tuples, which the garbage collector stops tracking at its next pass: a
 second's worth adds next to no collections (churn: 5 against 4 in 3,000
 steps, about 0.5 us a step, none of the older generations), where records
 held as objects with their events and dicts had pushed CPython's young
-generation past its threshold several times a second (15-20 us a step). The pipe is non-blocking and as large as
-Linux lets it be made (``PIPE_BYTES``); what it cannot take at once is
-written again ``RETRY_SECONDS`` later. If the helper falls behind by more
-than ``MAX_BUFFERED_BYTES``, a frame's records are dropped and counted, never
+generation past its threshold several times a second (15-20 us a step).
+The pipe is non-blocking and as large as Linux lets it be made
+(``PIPE_BYTES``); what it cannot take at once is written again
+``RETRY_SECONDS`` later. If the helper falls behind by more than
+``MAX_BUFFERED_BYTES``, a frame's records are dropped and counted, never
 waited for.
 
 The helper configures the OpenTelemetry SDK from the inherited ``OTEL_*``
@@ -94,10 +95,7 @@ class ExporterProcess:
         self._pending: list[tuple] = []
         self.request_ended = self._pending.append
         """Takes a finished request's ``RequestEnded`` fields until the next ``flush``:
-        one C call on the engine's hot path (serializing each at release ran
-        ``marshal``'s code cold, about 2 us a record on churn, against 0.3 in one
-        pass at the hand-over). Its strings, bytes and tuples are untracked by the
-        garbage collector at its next pass, so a second's worth is not promoted."""
+        one C call on the engine's hot path (see the module's docstring)."""
         self._outgoing = bytearray()  # frames, not yet all written
         self._outgoing_records = 0
         self._helper_gone = False
@@ -141,7 +139,8 @@ class ExporterProcess:
 
     def _marshalled(self, records: list[tuple]) -> tuple[bytes, int]:
         """The records back to back, marshalled in one C loop, and how many. One
-        holding a value marshal cannot write is dropped (and counted), not the frame."""
+        holding a value marshal cannot write is written again with its trace
+        headers as plain strings, or else dropped (and counted), not the frame."""
         try:
             return b"".join(map(marshal.dumps, records, repeat(MARSHAL_VERSION))), len(records)
         except ValueError:  # e.g. a trace header in a str subclass

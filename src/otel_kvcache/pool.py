@@ -158,16 +158,13 @@ class PoolTracker:
                     oldest = cached_at
                 evicted += taken
                 age_sum += taken * (now - cached_at)
-        if evicted:  # _count_evictions, without the call (once a step or more)
-            self.eviction_age_sum += age_sum
-            if now - oldest > self.eviction_age_max:
-                self.eviction_age_max = now - oldest
-            self.evictions += evicted
-            self.cached -= evicted
+        if evicted:
+            self._count_evictions(evicted, age_sum, now - oldest)
 
     def _count_evictions(self, evicted: int, age_sum: float, oldest_age: float) -> None:
         self.eviction_age_sum += age_sum
-        self.eviction_age_max = max(self.eviction_age_max, oldest_age)
+        if oldest_age > self.eviction_age_max:
+            self.eviction_age_max = oldest_age
         self.evictions += evicted
         self.cached -= evicted
 

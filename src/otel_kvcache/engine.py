@@ -7,9 +7,10 @@ thread, so it is written for the scheduler's hot loop:
 - nothing runs per scheduled request per step: a request is looked at when it
   is admitted, preempted or released (its record is made at its first
   admission, or its first failed attempt), and a step costs, after
-  ``schedule()``, settling what the step's allocations popped off the free
-  queue and one clock read; the chores (reconciliation, the hand-over to the
-  exporter) run when one is due;
+  ``schedule()``, a clock read and a count of what the step's allocations
+  popped off the free queue (``PoolTracker.note_pops``); the chores (the
+  evictions those pops made, reconciliation, the hand-over to the exporter)
+  run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
   by observable instruments on the metric reader's thread (``snapshot``);
 - a live request costs a record, one flat array of counts (``record.py``),
@@ -66,10 +67,10 @@ from otel_kvcache.vllm_compat import (
     engine_index,
     finish_reasons_by_status,
     held_blocks_counter,
-    is_waiting_for_blocks,
     kv_bytes_per_block,
     may_hold_null_blocks,
     request_being_scheduled,
+    statuses_waiting_for_blocks,
 )
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class EngineTelemetry:
         """Blocks the KV manager holds for a request now, across all groups."""
         self._scheduler_requests: dict[str, Any] = scheduler.requests
         self._finish_reasons = finish_reasons_by_status()
+        self._waiting_for_blocks = statuses_waiting_for_blocks()
         self._current_context = current_context_getter()
         self._lookup_enabled = manager.prefix_cache_lookup_enabled
         self.reconciler = Reconciler(self, scheduler)
@@ -172,7 +174,7 @@ class EngineTelemetry:
     def on_scheduled(self, output: Any) -> None:
         """After ``schedule()``, once a step: the step's admissions, the attempt that
         found no blocks (vLLM stops admitting there: only the last one can have),
-        the evictions of its allocations; chores when due."""
+        what its allocations popped off the free queue; chores when due."""
         for new_request in output.scheduled_new_reqs:
             self._admitted(new_request.req_id)
         for request_id in output.scheduled_cached_reqs.resumed_req_ids:
@@ -180,11 +182,11 @@ class EngineTelemetry:
         attempt = self._last_attempt
         if attempt is not None:
             self._last_attempt = None
-            if is_waiting_for_blocks(attempt):  # not admitted (it would be running now)
+            if attempt.status in self._waiting_for_blocks:  # not admitted (it would be running now)
                 self.on_stall(attempt)
-        self.pool.settle()
         self.step += 1
         now = time.monotonic()
+        self.pool.note_pops(now)
         if now >= self._chores_due:
             self._chores(now)
 
@@ -283,9 +285,10 @@ class EngineTelemetry:
     # --- chores and readings ---------------------------------------------------------
 
     def _chores(self, now: float) -> None:
+        self.pool.settle_if_due(now)
         self.reconciler.maybe_run(now)
         self.exporter.flush_if_due(now)
-        self._chores_due = min(self.reconciler.due, self.exporter.due)
+        self._chores_due = min(self.pool.due, self.reconciler.due, self.exporter.due)
 
     def on_prefix_cache_reset(self, succeeded: bool) -> None:
         """After ``reset_prefix_cache``: if it succeeded, no block holds a prefix."""

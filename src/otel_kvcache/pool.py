@@ -13,10 +13,13 @@ latter (``prepend_n``, ``append_n``), ``get_new_blocks`` pops from the head,
 ``touch`` takes prefix hits out of the back. The tracker keeps the back part
 as runs, one per ``append_n`` call (blocks cached at the same instant, in
 queue order). Whatever else left the free queue since the tracker last looked
-was popped from the head (``settle``, before ``prepend_n`` grows the front
-part, and once ``schedule()`` returns each step): the pops beyond the front
-part evicted the back part's first blocks, which gives the evictions and
-their ages exactly, at O(runs) rather than O(blocks).
+was popped from the head: the pops beyond the front part evicted the back
+part's first blocks, which gives the evictions and their ages exactly, at
+O(runs) rather than O(blocks). The engine thread counts the pops, with the
+time, once ``schedule()`` returns each step and before ``prepend_n`` grows the
+front part (``note_pops``: a subtraction); it takes them off the runs, and
+counts the evictions and their ages, about once a second (``settle``), in one
+loop that stays in the CPU's caches instead of one that leaves them each step.
 
 Which run a block is in matters only when a prefix hit takes free blocks back
 (or a connector evicts them), and writing it down costs a few hundred
@@ -29,12 +32,14 @@ Entries of the back part that hold no prefix are dead: ``unpin_blocks``
 (hisparse) appends blocks with or without a hash, and a KV connector's
 ``evict_blocks`` drops the hash of free blocks in place. Where the head pops
 part of a run holding dead entries, the dead ones are taken to go first (their
-places are not kept); the counts are exact again once the run is gone.
+places are not kept); the counts are exact again once the run is gone. Pops
+are taken off the runs at once while the back part may hold dead entries.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from operator import attrgetter, countOf
@@ -50,6 +55,8 @@ QUEUED, LIVE, CACHED_AT, BLOCKS = 0, 1, 2, 3
 COMPACT_ABOVE = 64
 # Appended runs are indexed at once for this many appends after a take-back.
 EAGER_APPENDS = 64
+# How often the pops counted each step are taken off the runs (and the evictions counted).
+SETTLE_SECONDS = 1.0
 _REF_CNT = attrgetter("ref_cnt")
 _BLOCK_ID = attrgetter("block_id")
 
@@ -84,10 +91,15 @@ class PoolTracker:
         "evictions",
         "eviction_age_sum",
         "eviction_age_max",
+        "due",
         "_block_hash",
         "_runs",
         "_run_of",
         "_queued",  # entries of the back part in vLLM's queue, dead ones included
+        "_unsettled",  # entries popped off the back part, not yet taken off its runs
+        "_pops",  # how many, in each step that popped some...
+        "_popped_at",  # ...and when
+        "_may_hold_dead",
         "_empty_runs",
         "_eager_appends",
         "_unpinning",
@@ -108,6 +120,8 @@ class PoolTracker:
         # Block id -> the block's hash (its prefix) when a prefix hit last reused it:
         # void once the block holds another hash, i.e. was evicted since.
         self._hit: dict[int, Any] = {}
+        self._pops, self._popped_at = array("q"), array("d")
+        self.due = time.monotonic() + SETTLE_SECONDS
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -119,47 +133,76 @@ class PoolTracker:
         # the latest run that holds it.
         self._run_of: list[list | None] = [None] * self.pool.num_gpu_blocks
         self.cached = self._queued = len(cached)
+        self._unsettled = 0
+        del self._pops[:], self._popped_at[:]
+        self._may_hold_dead = False
         self._empty_runs = 0
         self._eager_appends = 0
 
     # --- what vLLM did -------------------------------------------------------------
 
-    def settle(self, _prepended: Any = None) -> None:
-        """Blocks that left the free queue since the last look were popped from its
-        head; those past the front (hashless) part were evicted from the prefix cache:
-        whole runs, then part of one. Also runs before ``prepend_n``
-        (``before_prepending``): the pops must be counted before the front part grows."""
+    def note_pops(self, now: float) -> None:
+        """Counts the blocks popped off the back part since the last look (once
+        ``schedule()`` returns, and before ``prepend_n``: the front part must not
+        grow over them); ``settle`` takes them off the runs."""
         # The back part is free blocks: whatever it holds beyond them was popped.
-        count = self._queued - self.queue.num_free_blocks
-        if count <= 0:
-            return
-        runs, now = self._runs, time.monotonic()
-        self._queued -= count
-        evicted, age_sum, oldest = 0, 0.0, now
-        while count and runs:
-            run = runs[0]
-            queued, live, cached_at, _ = run
-            if queued <= count:
-                runs.popleft()
-                count -= queued
-                if queued:
-                    run[QUEUED] = run[LIVE] = 0  # stale index entries may still point here
+        popped = self._queued - self.queue.num_free_blocks
+        if popped > 0:
+            self._unsettled += popped  # first: a reading in between counts them twice, not never
+            self._queued -= popped
+            self._pops.append(popped)
+            self._popped_at.append(now)
+            if self._may_hold_dead:  # which entries the pops took depends on the runs
+                self._take_pops_off_runs()
+
+    def before_prepending(self, blocks: Any) -> None:
+        if self._queued > self.queue.num_free_blocks:  # rarely: releases come after the step's pops
+            self.note_pops(time.monotonic())
+
+    def settle_if_due(self, now: float) -> None:
+        if now >= self.due:
+            self.due = now + SETTLE_SECONDS
+            self._take_pops_off_runs()
+
+    def settle(self) -> None:
+        """Brings the evictions up to date (before a reconciliation or a connector's
+        eviction, and when the engine goes idle)."""
+        self.note_pops(time.monotonic())
+        self._take_pops_off_runs()
+
+    def _take_pops_off_runs(self) -> None:
+        """The pops counted since the last call evicted the back part's first live
+        entries: whole runs, then part of one; each is as old as its run was when popped."""
+        runs = self._runs
+        evicted, age_sum, oldest_age = 0, 0.0, 0.0
+        for count, popped_at in zip(self._pops, self._popped_at):
+            while count and runs:
+                run = runs[0]
+                queued, live, cached_at, _ = run
+                if queued <= count:
+                    runs.popleft()
+                    count -= queued
+                    if queued:
+                        run[QUEUED] = run[LIVE] = 0  # stale index entries may still point here
+                    else:
+                        self._empty_runs -= 1
+                    taken = live
                 else:
-                    self._empty_runs -= 1
-                taken = live
-            else:
-                dead = queued - live  # taken to go first
-                taken = count - dead if count > dead else 0
-                run[QUEUED] = queued - count
-                run[LIVE] = live - taken
-                count = 0
-            if taken:
-                if not evicted:
-                    oldest = cached_at
-                evicted += taken
-                age_sum += taken * (now - cached_at)
+                    dead = queued - live  # taken to go first
+                    taken = count - dead if count > dead else 0
+                    run[QUEUED] = queued - count
+                    run[LIVE] = live - taken
+                    count = 0
+                if taken:
+                    age = popped_at - cached_at
+                    if age > oldest_age:
+                        oldest_age = age
+                    evicted += taken
+                    age_sum += taken * age
+        del self._pops[:], self._popped_at[:]
         if evicted:
-            self._count_evictions(evicted, age_sum, now - oldest)
+            self._count_evictions(evicted, age_sum, oldest_age)
+        self._unsettled = 0
 
     def _count_evictions(self, evicted: int, age_sum: float, oldest_age: float) -> None:
         self.eviction_age_sum += age_sum
@@ -167,8 +210,6 @@ class PoolTracker:
             self.eviction_age_max = oldest_age
         self.evictions += evicted
         self.cached -= evicted
-
-    before_prepending = settle
 
     def before_unpinning(self, blocks: Any, on_reuse: Any = None) -> None:
         """Before ``unpin_blocks``: the blocks it appends may hold no prefix."""
@@ -182,6 +223,7 @@ class PoolTracker:
             if self._unpinning:
                 self._unpinning = False
                 live -= countOf(map(self._block_hash, blocks), None)
+                self._may_hold_dead = self._may_hold_dead or live < queued
             if self._eager_appends:
                 self._eager_appends -= 1
                 run = [queued, live, time.monotonic(), None]
@@ -265,11 +307,13 @@ class PoolTracker:
             if run is not None and run[LIVE] and block.ref_cnt == 0 and self._block_hash(block) is not None:
                 run_of[block_id] = None
                 run[LIVE] -= 1
+                self._may_hold_dead = True
                 age = now - run[CACHED_AT]
                 self._count_evictions(1, age, age)
 
     def on_reset(self) -> None:
         """After a successful ``reset_prefix_cache``: no block holds a prefix."""
+        self.settle()  # the evictions before it
         self._hit.clear()
         self._rebuild()
 
@@ -278,11 +322,11 @@ class PoolTracker:
     def counts(self) -> tuple[int, int]:
         """Free blocks, and how many of them are cached, for the gauges: read on
         the metric reader's thread, without settling (that is the engine thread's).
-        Entries popped off the back part since the last settle are taken as
-        evicted (dead ones are rare and only there until the next settle); a
-        read in the middle of a step sees the step so far."""
+        Entries popped off the back part and not yet taken off its runs are taken
+        as evicted (while it may hold dead ones, they are taken off at each
+        count); a read in the middle of a step sees the step so far."""
         free = self.queue.num_free_blocks
-        return free, self.cached - max(self._queued - free, 0)
+        return free, self.cached - max(self._queued - free, 0) - self._unsettled
 
     def take_eviction_age_max(self) -> float:
         """The oldest eviction since the last call (the gauge's reading), then reset."""

@@ -101,18 +101,14 @@ FINISH_REASONS = {
 }
 
 
-_waits_by_status: dict[Any, bool] = {}
+def statuses_waiting_for_blocks() -> frozenset:
+    """The ``RequestStatus`` members of a request an admission attempt left waiting
+    (not one parked for a remote KV transfer or a grammar): after ``schedule()``,
+    an attempted request in one of them found no blocks. (A set of members, as
+    ``RequestStatus.name`` is slow.)"""
+    from vllm.v1.request import RequestStatus
 
-
-def is_waiting_for_blocks(request: Any) -> bool:
-    """After ``schedule()``: an admission attempt that left the request waiting (not
-    one parked for a remote KV transfer or a grammar) found no blocks. (Looked up
-    by status, as ``RequestStatus.name`` is slow.)"""
-    status = request.status
-    waits = _waits_by_status.get(status)
-    if waits is None:
-        waits = _waits_by_status[status] = getattr(status, "name", None) in ("WAITING", "PREEMPTED")
-    return waits
+    return frozenset(status for status in RequestStatus if status.name in ("WAITING", "PREEMPTED"))
 
 
 def request_being_scheduled() -> Any | None:

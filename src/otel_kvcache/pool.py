@@ -18,8 +18,9 @@ part's first blocks, which gives the evictions and their ages exactly, at
 O(runs) rather than O(blocks). The engine thread counts the pops, with the
 time, once ``schedule()`` returns each step and before ``prepend_n`` grows the
 front part (``note_pops``: a subtraction); it takes them off the runs, and
-counts the evictions and their ages, about once a second (``settle``), in one
-loop that stays in the CPU's caches instead of one that leaves them each step.
+counts the evictions and their ages, about once a second (``settle_if_due``),
+in one loop that stays in the CPU's caches instead of one that leaves them
+each step.
 
 Which run a block is in matters only when a prefix hit takes free blocks back
 (or a connector evicts them), and writing it down costs a few hundred
@@ -156,6 +157,7 @@ class PoolTracker:
                 self._take_pops_off_runs()
 
     def before_prepending(self, blocks: Any) -> None:
+        """Before ``prepend_n``: pops not yet counted must be, before the front part grows."""
         if self._queued > self.queue.num_free_blocks:  # rarely: releases come after the step's pops
             self.note_pops(time.monotonic())
 
@@ -165,8 +167,8 @@ class PoolTracker:
             self._take_pops_off_runs()
 
     def settle(self) -> None:
-        """Brings the evictions up to date (before a reconciliation or a connector's
-        eviction, and when the engine goes idle)."""
+        """Brings the evictions up to date (when the engine goes idle, before a
+        connector's eviction and after a prefix-cache reset)."""
         self.note_pops(time.monotonic())
         self._take_pops_off_runs()
 

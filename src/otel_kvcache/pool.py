@@ -97,8 +97,7 @@ class PoolTracker:
         "_runs",
         "_run_of",
         "_queued",  # entries of the back part in vLLM's queue, dead ones included
-        "_unsettled",  # entries popped off the back part, not yet taken off its runs
-        "_pops",  # how many, in each step that popped some...
+        "_pops",  # entries popped off the back part, not yet taken off its runs, by step...
         "_popped_at",  # ...and when
         "_may_hold_dead",
         "_empty_runs",
@@ -134,7 +133,6 @@ class PoolTracker:
         # the latest run that holds it.
         self._run_of: list[list | None] = [None] * self.pool.num_gpu_blocks
         self.cached = self._queued = len(cached)
-        self._unsettled = 0
         del self._pops[:], self._popped_at[:]
         self._may_hold_dead = False
         self._empty_runs = 0
@@ -149,10 +147,9 @@ class PoolTracker:
         # The back part is free blocks: whatever it holds beyond them was popped.
         popped = self._queued - self.queue.num_free_blocks
         if popped > 0:
-            self._unsettled += popped  # first: a reading in between counts them twice, not never
-            self._queued -= popped
-            self._pops.append(popped)
+            self._pops.append(popped)  # first: a reading in between counts them twice, not never
             self._popped_at.append(now)
+            self._queued -= popped
             if self._may_hold_dead:  # which entries the pops took depends on the runs
                 self._take_pops_off_runs()
 
@@ -201,10 +198,9 @@ class PoolTracker:
                         oldest_age = age
                     evicted += taken
                     age_sum += taken * age
-        del self._pops[:], self._popped_at[:]
-        if evicted:
+        if evicted:  # first, as above
             self._count_evictions(evicted, age_sum, oldest_age)
-        self._unsettled = 0
+        del self._pops[:], self._popped_at[:]
 
     def _count_evictions(self, evicted: int, age_sum: float, oldest_age: float) -> None:
         self.eviction_age_sum += age_sum
@@ -328,7 +324,7 @@ class PoolTracker:
         as evicted (while it may hold dead ones, they are taken off at each
         count); a read in the middle of a step sees the step so far."""
         free = self.queue.num_free_blocks
-        return free, self.cached - max(self._queued - free, 0) - self._unsettled
+        return free, self.cached - max(self._queued - free, 0) - sum(self._pops)
 
     def take_eviction_age_max(self) -> float:
         """The oldest eviction since the last call (the gauge's reading), then reset."""

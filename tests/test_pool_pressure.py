@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from engine_harness import VOCAB_SIZE
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
+from otel_kvcache import engine as engine_module
 from otel_kvcache import names
 from otel_kvcache import pool as pool_tracking
 
@@ -211,3 +214,78 @@ def test_unpinned_blocks_join_the_free_queue_as_vllm_counts_them(make_engine, te
     assert {block.block_id for block in reused} == {block.block_id for block in pinned}
     assert engine.events.removed_hashes > 0
     assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes
+
+
+class StepClock:
+    """``time`` for the engine and the pool, but for ``monotonic``, which moves one
+    second a step (from now, so the chores come due as they would)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("eager_appends", [0, pool_tracking.EAGER_APPENDS])
+def test_mixed_traffic_evicts_what_vllm_evicts_as_old_as_it_was(make_engine, telemetry, monkeypatch, eager_appends):
+    """Most requests new, every third one going back to part of a recent one's prompt, on a
+    pool small enough to evict every few steps: pops take whole runs and end inside
+    others, hits take blocks back from runs indexed and not yet indexed. At every
+    step, the evictions counted are vLLM's KV events, their summed age is how long
+    each block vLLM evicted had been free and cached (a step's clock), and the
+    gauges are a scan of its pool."""
+    monkeypatch.setattr(pool_tracking, "EAGER_APPENDS", eager_appends)
+    monkeypatch.setattr(pool_tracking, "SETTLE_SECONDS", 0.0)
+    clock = StepClock()
+    monkeypatch.setattr(pool_tracking, "time", clock)
+    monkeypatch.setattr(engine_module, "time", clock)
+    engine = make_engine(num_blocks=48, max_num_seqs=4)
+    blocks = engine.scheduler.kv_cache_manager.block_pool.blocks
+    cached_since: dict[int, tuple] = {}  # free blocks holding a prefix: since when, and which prefix
+    truth = {"evicted": 0, "age": 0.0}
+
+    def check(harness):
+        for block_id, (since, block_hash) in list(cached_since.items()):
+            block = blocks[block_id]
+            if block.block_hash is not block_hash:  # popped and reused: evicted in this step's schedule()
+                truth["evicted"] += 1
+                truth["age"] += clock.now - since
+                del cached_since[block_id]
+            elif block.ref_cnt:  # a prefix hit took it back
+                del cached_since[block_id]
+        for block in blocks:
+            if not block.ref_cnt and block.block_hash is not None and block.block_id not in cached_since:
+                cached_since[block.block_id] = (clock.now, block.block_hash)  # freed in this step
+        assert truth["evicted"] == harness.events.removed_hashes, f"step {harness.steps}"
+        assert telemetry.total(names.EVICTIONS) == truth["evicted"], f"step {harness.steps}"
+        assert telemetry.total(names.EVICTION_AGE) == pytest.approx(truth["age"]), f"step {harness.steps}"
+        assert telemetry.blocks_by_state() == harness.pool_scan(), f"step {harness.steps}"
+        clock.now += 1.0
+
+    prompts: list[list[int]] = []
+    for n in range(90):
+        prompt = [(n * 31 + 3 * k) % VOCAB_SIZE for k in range(20 + (n * 13) % 60)]
+        if n % 3 == 2:  # back to one of the last few prompts, one to four blocks deep
+            prompt = prompts[n - 2 - n % 5 if n > 6 else 0][: 16 * (1 + n % 4)] + prompt
+        prompts.append(prompt)
+        engine.add(
+            Request(
+                request_id=f"mixed-{n}",
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(max_tokens=4 + (n * 5) % 24, ignore_eos=True),
+                pooling_params=None,
+                block_hasher=engine._hasher,
+            )
+        )
+        for _ in range(1 + n % 2):
+            if engine.scheduler.has_requests():
+                engine.step()
+                check(engine)
+    engine.run(after_step=check)
+
+    assert engine.truth.prefix_hits > 0
+    assert truth["evicted"] > 20, "the pool must evict often for this test to mean anything"

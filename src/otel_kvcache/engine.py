@@ -262,14 +262,13 @@ class EngineTelemetry:
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
         if not self._current_context().get(_SUPPRESS_INSTRUMENTATION_KEY):
-            # export.RequestEnded's fields, as a plain tuple of strings, bytes and tuples:
-            # the cheapest to build and to serialize, and one the garbage collector
-            # stops tracking while the exporter holds it.
-            headers = request.trace_headers
+            # export.RequestEnded's fields: strings, bytes, and objects that exist already
+            # (vLLM's headers, our attributes), so that what the exporter holds until its
+            # next flush adds no object the garbage collector counts (exporter_process.py).
             self.exporter.request_ended(
                 (
                     request_id,
-                    tuple(headers.items()) if headers else None,
+                    request.trace_headers,
                     self._finish_reasons[request.status],
                     record.tobytes(),
                     events,

@@ -25,6 +25,7 @@ import logging
 import math
 from array import array
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -88,8 +89,8 @@ class RequestEnded(NamedTuple):
     """What the engine hands an exporter when a request ends, as a plain tuple in this order."""
 
     request_id: str
-    trace_headers: tuple[tuple[str, str], ...] | None
-    """The request's trace headers, as ``(name, value)`` pairs (a mapping also does)."""
+    trace_headers: Mapping[str, str] | tuple[tuple[str, str], ...] | None
+    """The request's trace headers: vLLM's mapping, or ``(name, value)`` pairs."""
     finish_reason: str
     record: bytes
     """The request's record (``record.py``)."""

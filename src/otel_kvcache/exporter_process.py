@@ -4,14 +4,16 @@
 request (``RequestEnded`` fields) and each ``Finding`` as the engine hands it
 over, and every ``FLUSH_SECONDS`` (or when the engine goes idle) marshals what
 it holds, in one C loop, into one frame for the stdin of ``python -m
-otel_kvcache.exporter_process``. Taking a record is one ``list.append`` on
+otel_kvcache.exporter_process``. Taking a record is one ``list.extend`` on
 the engine thread (marshalling each at release ran ``marshal``'s code cold:
-4-5 us of a release on wide). A record is a tuple of strings, bytes and
-tuples, which the garbage collector stops tracking at its next pass: a
-second's worth adds next to no collections (churn: 5 against 4 in 3,000
-steps, about 0.5 us a step, none of the older generations), where records
-held as objects with their events and dicts had pushed CPython's young
-generation past its threshold several times a second (15-20 us a step).
+4-5 us of a release on wide). The records' fields are kept one after
+another in one list, not as a tuple each: a second's worth of tuples, each
+counted by the garbage collector until freed, pushed CPython's young
+generation past its threshold (700 objects more allocated than freed) about
+once a second on churn, where vLLM alone, as many allocated as freed, goes
+many seconds without; each such collection walks vLLM's young requests and
+their token lists, a few milliseconds. (Records held as objects with their
+events and dicts had done it several times a second: 15-20 us a step.)
 The pipe is non-blocking and as large as Linux lets it be made
 (``PIPE_BYTES``); what it cannot take at once is written again
 ``RETRY_SECONDS`` later. If the helper falls behind by more than
@@ -57,8 +59,10 @@ MAX_BUFFERED_BYTES = 8 << 20
 # Version 2 writes no back-references, so it builds no hash table per call: half
 # the time of the default (measured a record at a time: 1.9 against 4.1 us).
 MARSHAL_VERSION = 2
-# A frame: its length, then marshalled records (``RequestEnded`` or ``Finding`` fields, as tuples).
+# A frame: its length, then marshalled records: finished requests' ``RequestEnded`` fields,
+# one after another in a list, then each ``Finding``'s as a tuple.
 _FRAME_HEADER = struct.Struct("<I")
+_FIELDS = len(RequestEnded._fields)
 HOOK = "exporter_process"
 """The name our errors in the channel are counted under."""
 
@@ -92,10 +96,12 @@ class ExporterProcess:
             fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         except (AttributeError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size
             pass
-        self._pending: list[tuple] = []
-        self.request_ended = self._pending.append
+        self._pending: list = []
+        """Finished requests' ``RequestEnded`` fields, one after another (flat)."""
+        self.request_ended = self._pending.extend
         """Takes a finished request's ``RequestEnded`` fields until the next ``flush``:
         one C call on the engine's hot path (see the module's docstring)."""
+        self._findings: list[tuple] = []
         self._outgoing = bytearray()  # frames, not yet all written
         self._outgoing_records = 0
         self._helper_gone = False
@@ -104,7 +110,7 @@ class ExporterProcess:
         atexit.register(self.close)
 
     def finding(self, finding: Finding) -> None:
-        self._pending.append(tuple(finding))
+        self._findings.append(tuple(finding))
         self.flush()
 
     def flush_if_due(self, now: float) -> None:
@@ -115,17 +121,18 @@ class ExporterProcess:
             self.due = now + (RETRY_SECONDS if self._outgoing else FLUSH_SECONDS)
 
     def flush(self) -> None:
-        pending = self._pending
-        if pending:
+        pending, findings = self._pending, self._findings
+        if pending or findings:
             # Past MAX_BUFFERED_BYTES of frames the helper has not read, a frame is dropped.
             if self._helper_gone or len(self._outgoing) > MAX_BUFFERED_BYTES:
-                self._drop(len(pending))
+                self._drop(len(pending) // _FIELDS + len(findings))
             else:
-                frame, count = self._marshalled(pending)
+                frame, count = self._marshalled(pending, findings)
                 self._outgoing += _FRAME_HEADER.pack(len(frame))
                 self._outgoing += frame
                 self._outgoing_records += count
             pending.clear()
+            findings.clear()
         written = self._write_what_fits()
         if written < 0:  # the helper exited
             self._helper_gone = True
@@ -137,20 +144,25 @@ class ExporterProcess:
         if not self._outgoing:
             self._outgoing_records = 0
 
-    def _marshalled(self, records: list[tuple]) -> tuple[bytes, int]:
-        """The records back to back, marshalled in one C loop, and how many. One
-        holding a value marshal cannot write is written again with its trace
-        headers as plain strings, or else dropped (and counted), not the frame."""
+    def _marshalled(self, ended_fields: list, findings: list[tuple]) -> tuple[bytes, int]:
+        """A frame: the finished requests' fields as one flat list, then the findings,
+        each marshalled in one C call; and how many records it holds. A request with
+        a value marshal cannot write is written again with its trace headers as
+        plain strings, or else dropped (and counted), not the frame."""
+        written = len(ended_fields) // _FIELDS
         try:
-            return b"".join(map(marshal.dumps, records, repeat(MARSHAL_VERSION))), len(records)
+            frame = [marshal.dumps(ended_fields, MARSHAL_VERSION)] if ended_fields else []
         except ValueError:  # e.g. a trace header in a str subclass
-            written = []
-            for fields in records:
+            frame = []
+            for start in range(0, len(ended_fields), _FIELDS):
                 try:
-                    written.append(marshal.dumps(_with_plain_headers(fields), MARSHAL_VERSION))
+                    fields = _with_plain_headers(ended_fields[start : start + _FIELDS])
+                    frame.append(marshal.dumps(fields, MARSHAL_VERSION))
                 except ValueError:
                     self._drop(1)
-            return b"".join(written), len(written)
+                    written -= 1
+        frame.extend(map(marshal.dumps, findings, repeat(MARSHAL_VERSION)))
+        return b"".join(frame), written + len(findings)
 
     def _write_what_fits(self) -> int:
         """Bytes of ``_outgoing`` the pipe took, until it is full; -1 if the helper is gone."""
@@ -185,11 +197,13 @@ class ExporterProcess:
             _logger.warning("otel-kvcache: the exporter process did not finish cleanly: %s", exc)
 
 
-def _with_plain_headers(fields: tuple) -> tuple:
-    """A ``RequestEnded`` record with its trace headers as plain strings."""
-    if len(fields) != len(RequestEnded._fields) or not fields[1]:
-        return fields
-    return (fields[0], tuple((str(name), str(value)) for name, value in fields[1]), *fields[2:])
+def _with_plain_headers(fields: list) -> list:
+    """A ``RequestEnded`` record's fields with its trace headers as a dict of plain strings."""
+    headers = fields[1]
+    if headers:
+        pairs = headers.items() if hasattr(headers, "items") else headers
+        fields[1] = {str(name): str(value) for name, value in pairs}
+    return fields
 
 
 # --- the helper process ---------------------------------------------------------
@@ -225,7 +239,12 @@ def _records(stream):
             return
         records = io.BytesIO(frame)
         while records.tell() < length:
-            yield marshal.load(records)
+            record = marshal.load(records)
+            if type(record) is list:  # finished requests' fields, one after another
+                for start in range(0, len(record), _FIELDS):
+                    yield record[start : start + _FIELDS]
+            else:  # a finding
+                yield record
 
 
 def main() -> int:

@@ -27,7 +27,17 @@ Which run a block is in matters only when a prefix hit takes free blocks back
 nanoseconds a block on the engine thread, several times that once the blocks
 have left the CPU's caches. So a run is indexed by block when it is appended
 while prefix hits keep taking free blocks back (``EAGER_APPENDS``), and
-otherwise keeps vLLM's list of its blocks, indexed only if a take-back comes.
+otherwise its blocks wait, with those of the runs appended after it, in one
+list (``_unindexed``), indexed only if a take-back comes.
+
+A busy pool makes no objects for the garbage collector to count: the runs
+taken off are kept as spares for the next appends, and the blocks waiting to
+be indexed are copied into the one list rather than kept in vLLM's. A steady
+vLLM allocates about as many such objects as it frees, so CPython seldom
+collects its youngest generation; a second's worth of new runs (and vLLM's
+lists with them) waiting to be settled tipped that balance: a collection every
+quarter second on churn, each a few milliseconds spent walking vLLM's young
+requests and their token lists.
 
 Entries of the back part that hold no prefix are dead: ``unpin_blocks``
 (hisparse) appends blocks with or without a hash, and a KV connector's
@@ -48,10 +58,10 @@ from typing import Any, NamedTuple
 
 from otel_kvcache.vllm_compat import block_hash_reader
 
-# A run: [queued, live, cached_at, blocks]: entries still in vLLM's free queue,
-# those of them still cached (the rest are dead), when they were freed, and
-# vLLM's list of them until the run is indexed by block (None after).
-QUEUED, LIVE, CACHED_AT, BLOCKS = 0, 1, 2, 3
+# A run: [queued, live, cached_at, unindexed]: entries still in vLLM's free queue,
+# those of them still cached (the rest are dead), when they were freed, and how many
+# of its blocks wait in ``_unindexed`` (0 once the run is indexed by block).
+QUEUED, LIVE, CACHED_AT, UNINDEXED = 0, 1, 2, 3
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64
 # Appended runs are indexed at once for this many appends after a take-back.
@@ -96,6 +106,8 @@ class PoolTracker:
         "_block_hash",
         "_runs",
         "_run_of",
+        "_unindexed",
+        "_spare_runs",
         "_queued",  # entries of the back part in vLLM's queue, dead ones included
         "_pops",  # entries popped off the back part, not yet taken off its runs, by step...
         "_popped_at",  # ...and when
@@ -121,22 +133,30 @@ class PoolTracker:
         # void once the block holds another hash, i.e. was evicted since.
         self._hit: dict[int, Any] = {}
         self._pops, self._popped_at = array("q"), array("d")
+        self._spare_runs: list[list] = []
         self.due = time.monotonic() + SETTLE_SECONDS
         self._rebuild()
 
     def _rebuild(self) -> None:
         """The back part from a walk of the free queue (at start, and after a prefix-cache reset)."""
         cached = [block for block in self.queue.get_all_free_blocks() if block.block_hash is not None]
-        self._runs: deque[list] = deque([[len(cached), len(cached), time.monotonic(), cached]] if cached else ())
+        self._runs: deque[list] = deque([self._new_run(len(cached), len(cached), len(cached))] if cached else ())
         # Block id -> its run, for the runs indexed so far (always the oldest ones);
-        # entries of runs gone are stale but harmless: a free block with a hash is in
-        # the latest run that holds it.
+        # entries of runs gone (spares, perhaps reused) are stale but never read: a free
+        # block with a hash is in the latest run that holds it, indexed before any read.
         self._run_of: list[list | None] = [None] * self.pool.num_gpu_blocks
+        # The blocks of the runs not yet indexed (always the newest ones), in queue order.
+        self._unindexed: list = cached
         self.cached = self._queued = len(cached)
         del self._pops[:], self._popped_at[:]
         self._may_hold_dead = False
         self._empty_runs = 0
         self._eager_appends = 0
+
+    def _new_run(self, queued: int, live: int, unindexed: int) -> list:
+        run = self._spare_runs.pop() if self._spare_runs else [0, 0, 0.0, 0]
+        run[:] = queued, live, time.monotonic(), unindexed
+        return run
 
     # --- what vLLM did -------------------------------------------------------------
 
@@ -172,17 +192,18 @@ class PoolTracker:
     def _take_pops_off_runs(self) -> None:
         """The pops counted since the last call evicted the back part's first live
         entries: whole runs, then part of one; each is as old as its run was when popped."""
-        runs = self._runs
-        evicted, age_sum, oldest_age = 0, 0.0, 0.0
+        runs, spare_runs = self._runs, self._spare_runs
+        evicted, age_sum, oldest_age, unindexed_gone = 0, 0.0, 0.0, 0
         for count, popped_at in zip(self._pops, self._popped_at):
             while count and runs:
                 run = runs[0]
-                queued, live, cached_at, _ = run
+                queued, live, cached_at, unindexed = run
                 if queued <= count:
-                    runs.popleft()
+                    spare_runs.append(runs.popleft())
                     count -= queued
+                    unindexed_gone += unindexed  # the first blocks of _unindexed: all runs are unindexed
                     if queued:
-                        run[QUEUED] = run[LIVE] = 0  # stale index entries may still point here
+                        run[QUEUED] = run[LIVE] = 0
                     else:
                         self._empty_runs -= 1
                     taken = live
@@ -201,6 +222,8 @@ class PoolTracker:
         if evicted:  # first, as above
             self._count_evictions(evicted, age_sum, oldest_age)
         del self._pops[:], self._popped_at[:]
+        if unindexed_gone:
+            del self._unindexed[:unindexed_gone]
 
     def _count_evictions(self, evicted: int, age_sum: float, oldest_age: float) -> None:
         self.eviction_age_sum += age_sum
@@ -224,28 +247,35 @@ class PoolTracker:
                 self._may_hold_dead = self._may_hold_dead or live < queued
             if self._eager_appends:
                 self._eager_appends -= 1
-                run = [queued, live, time.monotonic(), None]
+                run = self._new_run(queued, live, 0)
                 run_of = self._run_of
                 for block in blocks:
                     run_of[block.block_id] = run
-            else:  # vLLM builds the list for this call and drops it after: the run keeps it
-                run = [queued, live, time.monotonic(), blocks]
+            else:  # copied: vLLM drops its list after the call (see the module's docstring)
+                run = self._new_run(queued, live, queued)
+                self._unindexed += blocks
             self._runs.append(run)
             self._queued += queued
             self.cached += live
 
     def _index_new_runs(self) -> None:
         """Which run each block of the runs not yet indexed (the newest ones) is in."""
+        blocks = self._unindexed
+        if not blocks:
+            return
         new_runs = []
         for run in reversed(self._runs):
-            if run[BLOCKS] is None:
+            if not run[UNINDEXED]:
                 break
             new_runs.append(run)
-        run_of = self._run_of
-        for run in reversed(new_runs):
-            for block in run[BLOCKS]:
+        run_of, start = self._run_of, 0
+        for run in reversed(new_runs):  # oldest first: a block popped and freed again is in the later run
+            end = start + run[UNINDEXED]
+            for block in blocks[start:end]:
                 run_of[block.block_id] = run
-            run[BLOCKS] = None
+            run[UNINDEXED] = 0
+            start = end
+        blocks.clear()
 
     def on_touching(self, blocks: Sequence[Any]) -> None:
         """Before ``touch``: a prefix hit takes these blocks back (out of the queue, if free).
@@ -290,6 +320,7 @@ class PoolTracker:
         """Prefix hits emptied a run inside the queue: drop such runs now and then."""
         self._empty_runs += 1
         if self._empty_runs > COMPACT_ABOVE and 2 * self._empty_runs > len(self._runs):
+            self._spare_runs.extend(run for run in self._runs if not run[QUEUED])
             self._runs = deque(run for run in self._runs if run[QUEUED])
             self._empty_runs = 0
 

@@ -83,7 +83,7 @@ EMPTIED_METHODS = {
     ),
     "records": (
         "EngineTelemetry",
-        ("on_admission_attempt", "on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released"),
+        ("on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released"),
     ),
 }
 

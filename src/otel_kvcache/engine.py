@@ -118,7 +118,8 @@ class EngineTelemetry:
         self.allocation_stalls = 0
         self.computed_tokens = 0
         self.recomputed_tokens = 0
-        self._last_attempt: Any = None  # the step's last admission attempt, the only one that can stall
+        self.last_attempt: Any = None
+        """The step's last admission attempt, the only one that can stall (set by its hook, ``patch.py``)."""
         self.pending_hits: dict[str, int] = {}  # prefix-hit tokens of admissions under way, by request id
         self._type_managers = tuple(
             (type_manager, may_hold_null_blocks(type_manager))
@@ -159,10 +160,6 @@ class EngineTelemetry:
         record[START_NS] = int(request.arrival_time * 1e9)
         return record
 
-    def on_admission_attempt(self, request: Any) -> None:
-        """Before vLLM allocates for a waiting request: looked at after ``schedule()``."""
-        self._last_attempt = request
-
     def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
         """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
         (vLLM's arguments, as it passes them)."""
@@ -179,9 +176,9 @@ class EngineTelemetry:
             self._admitted(new_request.req_id)
         for request_id in output.scheduled_cached_reqs.resumed_req_ids:
             self._admitted(request_id)
-        attempt = self._last_attempt
+        attempt = self.last_attempt
         if attempt is not None:
-            self._last_attempt = None
+            self.last_attempt = None
             if attempt.status in self._waiting_for_blocks:  # not admitted (it would be running now)
                 self.on_stall(attempt)
         self.step += 1

@@ -94,6 +94,11 @@ def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod)
     return _builder(_AFTER.replace("{ours}", "on_call(engine, {arguments})"), hook, errors, on_call=on_call)
 
 
+def _remembering(hook: str, errors: InstrumentationErrors, attribute: str) -> MethodBuilder:
+    """After vLLM's call, ``engine.<attribute> = <vLLM's first argument>``, with no call of ours."""
+    return _builder(_AFTER.replace("{ours}", f"engine.{attribute} = {{first}}"), hook, errors)
+
+
 def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMethod) -> MethodBuilder:
     """After vLLM's call, ``on_result(engine, <vLLM's result>)``."""
     return _builder(_AFTER.replace("{ours}", "on_result(engine, result)"), hook, errors, on_result=on_result)
@@ -140,7 +145,7 @@ def build_wrappers(
         "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
         "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
         "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),
-        "admission_attempt": lambda hook: _after_call(hook, errors, Engine.on_admission_attempt),
+        "admission_attempt": lambda hook: _remembering(hook, errors, "last_attempt"),
         "prefix_lookup": lambda hook: _after_call(hook, errors, Engine.on_prefix_cache_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, Pool.before_evicting),
         "queue_prepend": lambda hook: _tracking_pool(hook, errors, Pool.before_prepending),

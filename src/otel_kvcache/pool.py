@@ -140,7 +140,7 @@ class PoolTracker:
     def _rebuild(self) -> None:
         """The back part from a walk of the free queue (at start, and after a prefix-cache reset)."""
         cached = [block for block in self.queue.get_all_free_blocks() if block.block_hash is not None]
-        self._runs: deque[list] = deque([self._new_run(len(cached), len(cached), len(cached))] if cached else ())
+        self._runs: deque[list] = deque([[len(cached), len(cached), time.monotonic(), len(cached)]] if cached else ())
         # Block id -> its run, for the runs indexed so far (always the oldest ones);
         # entries of runs gone (spares, perhaps reused) are stale but never read: a free
         # block with a hash is in the latest run that holds it, indexed before any read.
@@ -152,11 +152,6 @@ class PoolTracker:
         self._may_hold_dead = False
         self._empty_runs = 0
         self._eager_appends = 0
-
-    def _new_run(self, queued: int, live: int, unindexed: int) -> list:
-        run = self._spare_runs.pop() if self._spare_runs else [0, 0, 0.0, 0]
-        run[:] = queued, live, time.monotonic(), unindexed
-        return run
 
     # --- what vLLM did -------------------------------------------------------------
 
@@ -245,14 +240,15 @@ class PoolTracker:
                 self._unpinning = False
                 live -= countOf(map(self._block_hash, blocks), None)
                 self._may_hold_dead = self._may_hold_dead or live < queued
+            run = self._spare_runs.pop() if self._spare_runs else [0, 0, 0.0, 0]
             if self._eager_appends:
                 self._eager_appends -= 1
-                run = self._new_run(queued, live, 0)
+                run[:] = queued, live, time.monotonic(), 0
                 run_of = self._run_of
                 for block in blocks:
                     run_of[block.block_id] = run
             else:  # copied: vLLM drops its list after the call (see the module's docstring)
-                run = self._new_run(queued, live, queued)
+                run[:] = queued, live, time.monotonic(), queued
                 self._unindexed += blocks
             self._runs.append(run)
             self._queued += queued

@@ -10,10 +10,11 @@ bytes, ``record.py``), which ``finished_request`` reads into a
 - ``RequestExporter`` builds the span and records the histograms where it is
   called. The engine uses it directly only when it was given its providers
   (``instrument(tracer_provider=...)``), which cannot leave the process.
-- ``ExporterProcess`` (``exporter_process.py``) serializes the tuples and sends
-  them in batches to a helper process that runs ``RequestExporter`` with an
-  SDK configured from the same ``OTEL_*`` environment, under the EngineCore's
-  resource. The engine thread pays for a small tuple and its ``marshal`` bytes.
+- ``ExporterProcess`` (``exporter_process.py``) keeps the tuples' fields in one
+  flat list and sends them in batches to a helper process that runs
+  ``RequestExporter`` with an SDK configured from the same ``OTEL_*``
+  environment, under the EngineCore's resource. The engine thread pays for a
+  small tuple, dropped at once, and a share of one ``marshal`` call a second.
 
 Leak findings for requests whose span has ended take the same road, so they
 join the span's trace wherever the span was built.

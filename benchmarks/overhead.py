@@ -6,10 +6,12 @@ Each variant runs in its own process, driving the real V1 scheduler with fake
 model outputs at constant concurrency. The coordinator alternates timed chunks
 between them (a pair = one chunk of each, in rotating order), so drifts of the
 machine hit all sides of a pair. A process's memory layout alone moves its
-speed by a few % for its whole life, so each workload takes many rounds, each
-with fresh processes: each variant warms up once, in a template process, and
+speed by up to ~1 % for its whole life, so each workload takes many rounds,
+each with fresh processes: each variant warms up in a template process, and
 every round forks a worker from it (forks of one process: the same string
-hashes, so the same scheduling decisions; every round runs the same steps).
+hashes, so the same scheduling decisions; every round runs the same steps);
+every ``TEMPLATE_ROUNDS`` rounds a new generation of templates takes over,
+each with its heap padded differently, so that no one layout decides a run.
 The workers take turns on one CPU; the rest (templates, this process, the
 helper process) runs on the others. Beside each median ratio it prints a 95 %
 bootstrap interval, resampling whole rounds, and the same for the A/A pair: a
@@ -51,6 +53,11 @@ from benchmarks.scheduler_driver import Driver, Workload, against_target, model_
 # 0.15 s chunks (4 pairs a round), 0.05 s ones (12 pairs) cut the spread of the
 # rounds' ratios by about half in the same time.
 CHUNK_SECONDS = 0.05
+# A process's memory layout moves its speed by up to ~1 % for its whole life, and the
+# rounds forked from one template share its layout: the templates are built anew,
+# each generation with its heap laid out differently, every this many rounds.
+TEMPLATE_ROUNDS = 4
+_LAYOUT_PADDING: list = []  # a template's, for its life
 BOOTSTRAP_RESAMPLES = 2000
 MEMORY_TARGET = 2048  # bytes held per in-flight request
 FLAT = 2.0  # the most the per-step pool work may grow from 1,000 to 100,000 blocks
@@ -161,12 +168,15 @@ def _helper_cpu_seconds(driver) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _serve(connection: Connection, variant: dict, workload: Workload) -> None:
+def _serve(connection: Connection, variant: dict, workload: Workload, generation: int) -> None:
     """A variant's template: builds and warms its scheduler once, then forks a fresh
-    worker per round from that state, and waits for it while it runs the round."""
+    worker per round from that state, and waits for it while it runs the round.
+    Its heap is padded by its generation first, so that each generation of
+    templates lays out its objects differently (the same for every variant)."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     os.sched_setaffinity(0, OTHER_CPUS)  # the helper process it starts too
+    _LAYOUT_PADDING.append((bytearray(40_000 * generation), [[] for _ in range(997 * generation)]))
     if variant.get("emptied"):
         _empty(variant["emptied"])
     if variant.get("instrumented"):
@@ -207,10 +217,10 @@ class Variant:
     """One variant's template process, forked from this one (vLLM already imported:
     quick to start), and the round's worker it forks in turn."""
 
-    def __init__(self, name: str, workload: Workload) -> None:
+    def __init__(self, name: str, workload: Workload, generation: int = 0) -> None:
         self.connection, child = multiprocessing.Pipe()
         self.process = multiprocessing.get_context("fork").Process(
-            target=_serve, args=(child, VARIANTS[name], workload), daemon=True
+            target=_serve, args=(child, VARIANTS[name], workload, generation), daemon=True
         )
         self.process.start()
 
@@ -260,21 +270,28 @@ def median_interval(round_pairs: list[list[float]], level: float = 0.95) -> tupl
 def paired(names: list[str], workload: Workload, rounds: int, pairs: int, against: str = "base") -> dict:
     """Ratios of each variant to ``against``, pair by pair, over ``rounds`` sets of fresh processes.
 
-    A process's memory layout alone moves its speed by a few %, for its whole
-    life, so the rounds, not the pairs, are what averages it out: each variant
-    warms up once, in a template process, and each round forks a fresh worker
-    per variant from its template (all rounds start from the same state: they
-    run the same steps). Within a round the variants take turns in rotating
-    order, a chunk each."""
+    Each variant warms up in a template process, and each round forks a fresh
+    worker per variant from its template (the rounds of a template start from
+    the same state: they run the same steps). A process's memory layout alone
+    moves its speed by up to ~1 % for its whole life, and forks share their
+    template's: every ``TEMPLATE_ROUNDS`` rounds a new generation of templates,
+    laid out differently, takes over. Within a round the variants take turns
+    in rotating order, a chunk each."""
     times: dict[str, list[float]] = {name: [] for name in names}
     finished: dict[str, list[int]] = {name: [] for name in names}
     helper: dict[str, list[float]] = {name: [] for name in names}
     round_ratios: dict[str, list[float]] = {name: [] for name in names}
-    variants = {name: Variant(name, workload) for name in names}
+    variants: dict[str, Variant] = {}
+    steps = 0
     try:
-        step_seconds = {name: variant.warm() for name, variant in variants.items()}
-        steps = max(2, int(CHUNK_SECONDS / step_seconds[against]))
         for round_index in range(rounds):
+            if round_index % TEMPLATE_ROUNDS == 0:
+                for variant in variants.values():
+                    variant.close()
+                generation = round_index // TEMPLATE_ROUNDS
+                variants = {name: Variant(name, workload, generation) for name in names}
+                step_seconds = {name: variant.warm() for name, variant in variants.items()}
+                steps = steps or max(2, int(CHUNK_SECONDS / step_seconds[against]))
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in order:
                 variants[name].start_round(steps)

@@ -90,8 +90,8 @@ class RequestEnded(NamedTuple):
     """What the engine hands an exporter when a request ends, as a plain tuple in this order."""
 
     request_id: str
-    trace_headers: Mapping[str, str] | tuple[tuple[str, str], ...] | None
-    """The request's trace headers: vLLM's mapping, or ``(name, value)`` pairs."""
+    trace_headers: Mapping[str, str] | None
+    """The request's trace headers, in vLLM's mapping as it is."""
     finish_reason: str
     record: bytes
     """The request's record (``record.py``)."""

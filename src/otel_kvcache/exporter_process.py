@@ -199,10 +199,8 @@ class ExporterProcess:
 
 def _with_plain_headers(fields: list) -> list:
     """A ``RequestEnded`` record's fields with its trace headers as a dict of plain strings."""
-    headers = fields[1]
-    if headers:
-        pairs = headers.items() if hasattr(headers, "items") else headers
-        fields[1] = {str(name): str(value) for name, value in pairs}
+    if fields[1]:
+        fields[1] = {str(name): str(value) for name, value in fields[1].items()}
     return fields
 
 

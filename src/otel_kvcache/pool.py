@@ -158,7 +158,8 @@ class PoolTracker:
     def note_pops(self, now: float) -> None:
         """Counts the blocks popped off the back part since the last look (once
         ``schedule()`` returns, and before ``prepend_n``: the front part must not
-        grow over them); ``settle`` takes them off the runs."""
+        grow over them); ``_take_pops_off_runs`` takes them off the runs (about once a
+        second, at a ``settle``, or at once while the back part may hold dead entries)."""
         # The back part is free blocks: whatever it holds beyond them was popped.
         popped = self._queued - self.queue.num_free_blocks
         if popped > 0:

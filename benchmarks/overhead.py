@@ -27,9 +27,10 @@ verdict is only as firm as that interval is narrow. The variants:
 - anchors on decode-heavy: ``log_stats`` off, and vLLM's ``--kv-cache-metrics``
   at sample rate 1.0;
 - with ``--take-apart`` instead, on decode-heavy and churn: where the
-  instrumented side's time goes (``TAKE_APART``: a helper that exports
-  nothing, the hooks with the pool mirror's or the records' work emptied, or
-  all of it).
+  instrumented side's time goes (``TAKE_APART``: the instrumented process with
+  vLLM's methods given back, a helper that exports nothing, the hooks with the
+  pool mirror's or the records' work emptied, or all of it; ``--parts`` picks
+  some).
 """
 
 from __future__ import annotations
@@ -73,14 +74,19 @@ VARIANTS = {
     "no-log-stats": {"instrumented": False, "log_stats": False},
     "kv-cache-metrics-1.0": {"instrumented": False, "log_stats": True, "kv_cache_metrics_sample": 1.0},
     # --take-apart: the instrumentation with parts of its work left out (diagnostics only:
-    # without them the telemetry is wrong). The helper building spans but exporting none;
-    # the hooks with the pool mirror's work, the per-request records' work, or both emptied.
+    # without them the telemetry is wrong). The instrumented template (its helper process,
+    # the SDK's threads, its heap) whose workers give vLLM's methods back before their
+    # round: what being instrumented costs without a hook running; the helper building
+    # spans but exporting none; the hooks with the pool mirror's work, the per-request
+    # records' work, or both emptied.
+    "unhooked": {"instrumented": True, "log_stats": True, "unhooked": True},
     "quiet-helper": {"instrumented": True, "log_stats": True, "helper_exports": False},
     "no-mirror": {"instrumented": True, "log_stats": True, "emptied": "mirror"},
     "no-records": {"instrumented": True, "log_stats": True, "emptied": "records"},
     "frames-only": {"instrumented": True, "log_stats": True, "emptied": "mirror,records"},
 }
-TAKE_APART = ["base", "otel", "quiet-helper", "no-mirror", "no-records", "frames-only", "base-again"]
+TAKE_APART = ["otel", "unhooked", "quiet-helper", "no-mirror", "no-records", "frames-only"]
+"""Compared with ``base`` and, for the A/A spread, ``base-again``."""
 
 # What --take-apart empties: the methods the hooks call into, by part.
 EMPTIED_METHODS = {
@@ -197,15 +203,19 @@ def _serve(connection: Connection, variant: dict, workload: Workload, generation
         worker = os.fork()
         if worker == 0:  # the round's process: the connection is its own until it exits
             try:
-                _run_round(connection, driver, steps)
+                _run_round(connection, driver, steps, variant)
             finally:
                 os._exit(0)
         os.waitpid(worker, 0)
 
 
-def _run_round(connection: Connection, driver: Driver, steps: int) -> None:
+def _run_round(connection: Connection, driver: Driver, steps: int, variant: dict) -> None:
     """A worker: timed chunks of ``steps`` steps on request, from the template's state."""
     os.sched_setaffinity(0, {TIMED_CPU})
+    if variant.get("unhooked"):
+        from otel_kvcache import VLLMKVCacheInstrumentor
+
+        VLLMKVCacheInstrumentor().uninstrument()  # vLLM's own methods back on its classes
     driver.run(steps)  # untimed: the first writes to each page copy it (the fork's cost)
     connection.send("ready")
     while (steps := connection.recv()) is not None:
@@ -405,12 +415,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: decode-heavy and churn against variants with parts of the work left out",
     )
+    parser.add_argument(
+        "--parts", default=",".join(TAKE_APART), help="with --take-apart: the variants, comma-separated"
+    )
+    parser.add_argument("--workloads", default="decode-heavy,churn", help="with --take-apart: comma-separated")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.take_apart:
+        parts = args.parts.split(",")
+        unknown = [part for part in parts if part not in TAKE_APART]
+        if unknown:
+            parser.error(f"--parts: unknown {', '.join(unknown)} (known: {', '.join(TAKE_APART)})")
         model_config()
-        for workload in (w for w in workloads() if w.name in ("decode-heavy", "churn")):
-            _print_taken_apart(paired(TAKE_APART, workload, args.rounds, args.pairs))
+        for workload in (w for w in workloads() if w.name in args.workloads.split(",")):
+            _print_taken_apart(paired(["base", *parts, "base-again"], workload, args.rounds, args.pairs))
         return 0
     selected = workloads()[:1] if args.quick else workloads()
     rounds, pairs = (2, 12) if args.quick else (args.rounds, args.pairs)
@@ -494,8 +512,10 @@ def _print_workload(outcome: dict) -> None:
 
 
 def _print_taken_apart(outcome: dict) -> None:
-    for name in TAKE_APART[1:]:
-        variant = outcome[name]
+    for name in [*TAKE_APART, "base-again"]:
+        variant = outcome.get(name)
+        if variant is None:
+            continue
         ratio = variant["ratio"]
         print(
             f"{outcome['workload']:<14} {name:<13} vs base: median {ratio['median']:.4f} "

@@ -431,12 +431,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.take_apart:
-        parts = args.parts.split(",")
-        unknown = [part for part in parts if part not in TAKE_APART]
-        if unknown:
-            parser.error(f"--parts: unknown {', '.join(unknown)} (known: {', '.join(TAKE_APART)})")
+        parts, chosen = args.parts.split(","), args.workloads.split(",")
+        by_name = {workload.name: workload for workload in workloads()}
+        for option, asked, known in (("--parts", parts, TAKE_APART), ("--workloads", chosen, by_name)):
+            unknown = [name for name in asked if name not in known]
+            if unknown:
+                parser.error(f"{option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
         model_config()
-        for workload in (w for w in workloads() if w.name in args.workloads.split(",")):
+        for workload in (by_name[name] for name in chosen):
             _print_taken_apart(paired(["base", *parts, "base-again"], workload, args.rounds, args.pairs))
         return 0
     selected = workloads()[:1] if args.quick else workloads()
@@ -527,7 +529,7 @@ def _print_taken_apart(outcome: dict) -> None:
             continue
         ratio = variant["ratio"]
         print(
-            f"{outcome['workload']:<14} {name:<13} vs base: median {ratio['median']:.4f} "
+            f"{outcome['workload']:<14} {name:<14} vs base: median {ratio['median']:.4f} "
             f"(p25 {ratio['p25']:.4f}, p75 {ratio['p75']:.4f}; 95 % interval {_range(ratio['ci95'])}; "
             f"rounds {_range(variant['round_ratios'])}) | "
             f"{variant['us_per_step']:.1f} us/step | helper {variant['helper_us_per_request']:.0f} us/request",

@@ -28,9 +28,9 @@ verdict is only as firm as that interval is narrow. The variants:
   at sample rate 1.0;
 - with ``--take-apart`` instead, on decode-heavy and churn: where the
   instrumented side's time goes (``TAKE_APART``: the instrumented process with
-  vLLM's methods given back in the worker or before the warm-up, a helper
-  that exports nothing, the hooks with the pool mirror's or the records' work
-  emptied, or all of it; ``--parts`` picks some).
+  vLLM's methods given back before the warm-up, a helper that exports
+  nothing, the hooks with the pool mirror's or the records' work emptied, or
+  all of it; ``--parts`` picks some).
 """
 
 from __future__ import annotations
@@ -74,20 +74,20 @@ VARIANTS = {
     "no-log-stats": {"instrumented": False, "log_stats": False},
     "kv-cache-metrics-1.0": {"instrumented": False, "log_stats": True, "kv_cache_metrics_sample": 1.0},
     # --take-apart: the instrumentation with parts of its work left out (diagnostics only:
-    # without them the telemetry is wrong). The instrumented template (its helper process,
-    # the SDK's threads, the heap its warm-up left) whose workers give vLLM's methods back
-    # before their round: what being instrumented costs without a hook running; the same,
-    # its methods given back before its warm-up (the heap as vLLM alone leaves it); the
-    # helper building spans but exporting none; the hooks with the pool mirror's work,
-    # the per-request records' work, or both emptied.
-    "unhooked": {"instrumented": True, "log_stats": True, "unhooked": "in the worker"},
-    "unhooked-early": {"instrumented": True, "log_stats": True, "unhooked": "before the warm-up"},
+    # without them the telemetry is wrong). Instrumented, vLLM's methods given back before
+    # the warm-up: being instrumented (its helper process, the SDK's threads, the engine's
+    # telemetry objects) without a hook running. (Given back in the worker instead, after
+    # the warm-up, the classes change under code CPython has specialized for them, which
+    # then runs unspecialized for the whole round: benchmarks.specialization.) The helper
+    # building spans but exporting none; the hooks with the pool mirror's work, the
+    # per-request records' work, or both emptied.
+    "unhooked-early": {"instrumented": True, "log_stats": True, "unhooked": True},
     "quiet-helper": {"instrumented": True, "log_stats": True, "helper_exports": False},
     "no-mirror": {"instrumented": True, "log_stats": True, "emptied": "mirror"},
     "no-records": {"instrumented": True, "log_stats": True, "emptied": "records"},
     "frames-only": {"instrumented": True, "log_stats": True, "emptied": "mirror,records"},
 }
-TAKE_APART = ["otel", "unhooked", "unhooked-early", "quiet-helper", "no-mirror", "no-records", "frames-only"]
+TAKE_APART = ["otel", "unhooked-early", "quiet-helper", "no-mirror", "no-records", "frames-only"]
 """Compared with ``base`` and, for the A/A spread, ``base-again``."""
 
 # What --take-apart empties: the methods the hooks call into, by part.
@@ -197,7 +197,7 @@ def _serve(connection: Connection, variant: dict, workload: Workload, generation
     if variant.get("instrumented"):
         _instrument(helper_exports=variant.get("helper_exports", True))
     driver = Driver(workload, variant["log_stats"], variant.get("kv_cache_metrics_sample"))
-    if variant.get("unhooked") == "before the warm-up":
+    if variant.get("unhooked"):
         _unhook()
     driver.top_up()
     # No worker is timed while templates warm up: this thread may use every CPU (on
@@ -223,8 +223,6 @@ def _serve(connection: Connection, variant: dict, workload: Workload, generation
 def _run_round(connection: Connection, driver: Driver, steps: int, variant: dict) -> None:
     """A worker: timed chunks of ``steps`` steps on request, from the template's state."""
     os.sched_setaffinity(0, {TIMED_CPU})
-    if variant.get("unhooked") == "in the worker":
-        _unhook()
     driver.run(steps)  # untimed: the first writes to each page copy it (the fork's cost)
     connection.send("ready")
     while (steps := connection.recv()) is not None:

@@ -30,7 +30,8 @@ verdict is only as firm as that interval is narrow. The variants:
   instrumented side's time goes (``TAKE_APART``: the instrumented process with
   vLLM's methods given back before the warm-up, a helper that exports
   nothing, the hooks with the pool mirror's or the records' work emptied, or
-  all of it; ``--parts`` picks some).
+  all of it; and, to calibrate the benchmark itself, the uninstrumented
+  engine burning 40 us of CPU after each step; ``--parts`` picks some).
 """
 
 from __future__ import annotations
@@ -86,8 +87,11 @@ VARIANTS = {
     "no-mirror": {"instrumented": True, "log_stats": True, "emptied": "mirror"},
     "no-records": {"instrumented": True, "log_stats": True, "emptied": "records"},
     "frames-only": {"instrumented": True, "log_stats": True, "emptied": "mirror,records"},
+    # The benchmark's own calibration: uninstrumented, burning a known CPU time after each
+    # step and touching nothing, which it should read as that many us a step.
+    "spin": {"instrumented": False, "log_stats": True, "spin_us": 40},
 }
-TAKE_APART = ["otel", "unhooked-early", "quiet-helper", "no-mirror", "no-records", "frames-only"]
+TAKE_APART = ["otel", "unhooked-early", "quiet-helper", "no-mirror", "no-records", "frames-only", "spin"]
 """Compared with ``base`` and, for the A/A spread, ``base-again``."""
 
 # What --take-apart empties: the methods the hooks call into, by part.
@@ -118,6 +122,20 @@ def _empty(parts: str) -> None:
         for method in methods:
             getattr(owner, method)  # renamed since? then fail here, not measure nothing
             setattr(owner, method, lambda *args, **kwargs: None)
+
+
+def _spinning(step, microseconds: float):
+    """``step``, then burning ``microseconds`` of the process's CPU time."""
+    spin_ns = int(1e3 * microseconds)
+    clock = time.process_time_ns
+
+    def step_then_spin() -> None:
+        step()
+        until = clock() + spin_ns
+        while clock() < until:
+            pass
+
+    return step_then_spin
 
 
 def _unhook() -> None:
@@ -197,6 +215,8 @@ def _serve(connection: Connection, variant: dict, workload: Workload, generation
     if variant.get("instrumented"):
         _instrument(helper_exports=variant.get("helper_exports", True))
     driver = Driver(workload, variant["log_stats"], variant.get("kv_cache_metrics_sample"))
+    if variant.get("spin_us"):
+        driver.step = _spinning(driver.step, variant["spin_us"])
     if variant.get("unhooked"):
         _unhook()
     driver.top_up()

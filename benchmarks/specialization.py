@@ -60,8 +60,9 @@ def _nested(code: types.CodeType, seen: set[int]) -> Iterator[types.CodeType]:
             yield from _nested(constant, seen)
 
 
-def _instructions(code: types.CodeType) -> tuple[str, ...]:
-    return tuple(instruction.opname for instruction in dis.get_instructions(code, adaptive=True))
+def _instructions(code: types.CodeType, adaptive: bool) -> tuple[str, ...]:
+    """The code's instruction names: as written, or as the interpreter has specialized them."""
+    return tuple(instruction.opname for instruction in dis.get_instructions(code, adaptive=adaptive))
 
 
 def specialized(workload_name: str, variant: str) -> dict[str, tuple[str, ...]]:
@@ -83,8 +84,8 @@ def specialized(workload_name: str, variant: str) -> dict[str, tuple[str, ...]]:
     codes += _code_objects(seen)  # modules vLLM imported meanwhile
     result = {}
     for code in codes:
-        adaptive = _instructions(code)
-        if adaptive != tuple(instruction.opname for instruction in dis.get_instructions(code)):  # it ran
+        adaptive = _instructions(code, adaptive=True)
+        if adaptive != _instructions(code, adaptive=False):  # quickened: it ran
             where = code.co_filename.rsplit("/vllm/", 1)[-1]
             result[f"vllm/{where}:{code.co_firstlineno} {code.co_qualname}"] = adaptive
     return result

@@ -234,13 +234,13 @@ def _serve(connection: Connection, variant: dict, workload: Workload, generation
         worker = os.fork()
         if worker == 0:  # the round's process: the connection is its own until it exits
             try:
-                _run_round(connection, driver, steps, variant)
+                _run_round(connection, driver, steps)
             finally:
                 os._exit(0)
         os.waitpid(worker, 0)
 
 
-def _run_round(connection: Connection, driver: Driver, steps: int, variant: dict) -> None:
+def _run_round(connection: Connection, driver: Driver, steps: int) -> None:
     """A worker: timed chunks of ``steps`` steps on request, from the template's state."""
     os.sched_setaffinity(0, {TIMED_CPU})
     driver.run(steps)  # untimed: the first writes to each page copy it (the fork's cost)

@@ -32,7 +32,7 @@ from otel_kvcache import names
 from otel_kvcache.config import RECONCILE_SECONDS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
 from otel_kvcache.export import Finding, event_attributes, log_in_trace
 from otel_kvcache.record import PROGRESS_STEP, PROGRESS_TOKENS
-from otel_kvcache.vllm_compat import real_blocks
+from otel_kvcache.vllm_compat import real_blocks, running_status
 
 if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
@@ -67,6 +67,7 @@ class Reconciler:
         self.stuck_steps = env_int(STUCK_STEPS, 1024)
         self.report = LeakReport()
         self._deferred_frees = scheduler.deferred_frees
+        self._running = running_status()
         self._holding_since: dict[str, float] = {}
         self._reported: set[tuple[str, str]] = set()  # (kind, request id) already told
 
@@ -152,11 +153,11 @@ class Reconciler:
         return self.report
 
     def _find_stuck(self, live: dict[str, Any]) -> list[str]:
-        engine = self.engine
+        engine, running = self.engine, self._running
         stuck = []
         for request_id, record in engine.requests.items():
             request = live.get(request_id)
-            if request is None or request.status.name != "RUNNING":
+            if request is None or request.status is not running:
                 record[PROGRESS_STEP] = engine.step
                 continue
             if request.num_computed_tokens != record[PROGRESS_TOKENS]:

@@ -125,6 +125,14 @@ def request_being_scheduled() -> Any | None:
     return None if frame is None else frame.f_locals.get("request")
 
 
+def running_status() -> Any:
+    """``RequestStatus.RUNNING``, compared by identity (``RequestStatus.name`` is a
+    Python property: a call per read)."""
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.RUNNING
+
+
 def finish_reasons_by_status() -> dict[Any, str]:
     """Every ``RequestStatus`` -> its finish reason ("unknown" if it is not one), so that
     a release costs a dict lookup (``RequestStatus`` is an ``IntEnum``; ``.name`` is slow)."""

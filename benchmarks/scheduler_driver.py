@@ -57,7 +57,7 @@ def workloads() -> list[Workload]:
     Half the roomy pool: the shared prefix leaves a request about two thirds of its
     blocks of its own, so a pool 60 % as large still fits the steady state and
     never preempted; at half, the running requests' growth preempts throughout
-    (decode-heavy's every 3-5 steps, churn's in bursts)."""
+    (decode-heavy's every 3-6 steps, churn's in bursts)."""
     shapes = [
         ("decode-heavy", 256, 512, 256, 256),
         ("churn", 256, 256, 128, 64),

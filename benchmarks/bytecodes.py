@@ -30,12 +30,12 @@ def count(workload_name: str, steps: int) -> dict:
     """Runs in a fresh process: instruments, counts bytecodes over ``steps`` steps."""
     import os
 
-    from benchmarks.overhead import _instrument
+    from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver, workloads
     from otel_kvcache.config import RECONCILE_SECONDS
 
     os.environ[RECONCILE_SECONDS] = "1e9"  # no reconciliation within the count
-    _instrument()
+    instrument()
     workload = {w.name: w for w in workloads()}[workload_name]
     driver = Driver(workload)
     driver.top_up()

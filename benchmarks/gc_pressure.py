@@ -31,11 +31,11 @@ def collections_in(workload_name: str, instrumented: bool, steps: int) -> dict:
 
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    from benchmarks.overhead import _instrument
+    from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver, workloads
 
     if instrumented:
-        _instrument()
+        instrument()
     workload = {w.name: w for w in workloads()}[workload_name]
     driver = Driver(workload)
     driver.top_up()

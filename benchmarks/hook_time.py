@@ -72,7 +72,7 @@ def measure(workload_name: str, steps: int) -> dict:
     """Runs in a fresh process: instruments, times the hot hook points over ``steps`` steps."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    from benchmarks.overhead import _instrument
+    from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver, workloads
     from otel_kvcache.vllm_compat import HOOK_POINTS
 
@@ -80,7 +80,7 @@ def measure(workload_name: str, steps: int) -> dict:
     hot = [(getattr(importlib.import_module(p.module), p.owner), p.method, p.qualname) for p in HOOK_POINTS if p.hot]
     for owner, method, key in hot:  # vLLM's originals, as the instrumentation will find them
         setattr(owner, method, timers.timing_inner(getattr(owner, method), key))
-    _instrument()
+    instrument()
     for owner, method, key in hot:  # the methods the instrumentation installed
         setattr(owner, method, timers.timing_outer(getattr(owner, method), key))
     controls = []

@@ -45,7 +45,7 @@ VALGRIND_SLOWDOWN = 50
 
 def _child(variant: str, workload_name: str, steps: int) -> None:
     """Runs inside valgrind: warm up uncounted, count ``steps`` steps."""
-    from benchmarks.overhead import _instrument
+    from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver
 
     os.environ["OTEL_KVCACHE_RECONCILE_SECONDS"] = str(10**9)
@@ -54,7 +54,7 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
 
         # Wall-clock-driven work as often per step as outside valgrind, which runs it
         # about 50 times slower: the metric reader's collections, the hand-over to the helper.
-        _instrument(export_interval_millis=5_000 * VALGRIND_SLOWDOWN)
+        instrument(export_interval_millis=5_000 * VALGRIND_SLOWDOWN)
         exporter_process.FLUSH_SECONDS *= VALGRIND_SLOWDOWN
         exporter_process.RETRY_SECONDS *= VALGRIND_SLOWDOWN
     from vllm.utils.gc_utils import freeze_gc_heap

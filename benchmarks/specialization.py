@@ -67,19 +67,19 @@ def _instructions(code: types.CodeType, adaptive: bool) -> tuple[str, ...]:
 
 def specialized(workload_name: str, variant: str) -> dict[str, tuple[str, ...]]:
     """Runs in a fresh process: the instructions of each vLLM function that ran, after the warm-up."""
-    from benchmarks.overhead import _instrument, _unhook
+    from benchmarks.instrumented import instrument, unhook
     from benchmarks.scheduler_driver import Driver, workloads
 
     workload = {w.name: w for w in workloads()}[workload_name]
     seen: set[int] = set()
     codes = list(_code_objects(seen))  # before instrument() replaces vLLM's methods on their classes
     if variant != "base":
-        _instrument()
+        instrument()
     driver = Driver(workload)
     driver.top_up()
     driver.run(2 * workload.output_len)
     if variant == "control":
-        _unhook()
+        unhook()
         driver.run(CONTROL_STEPS)
     codes += _code_objects(seen)  # modules vLLM imported meanwhile
     result = {}

@@ -1,0 +1,85 @@
+"""The instrumented side of every benchmark, set up as ``opentelemetry-instrument`` sets it up.
+
+``instrument`` is what the benchmarks measure; ``unhook`` and ``empty`` take
+parts of it away again, for ``benchmarks.overhead --take-apart`` and
+``benchmarks.specialization`` (diagnostics only: without those parts the
+telemetry is wrong).
+"""
+
+from __future__ import annotations
+
+import os
+
+# What --take-apart empties: the methods the hooks call into, by part.
+EMPTIED_METHODS = {
+    "mirror": (
+        "PoolTracker",
+        ("note_pops", "before_prepending", "on_appending", "on_touching", "before_unpinning", "settle"),
+    ),
+    "records": (
+        "EngineTelemetry",
+        ("on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released"),
+    ),
+}
+
+
+def instrument(export_interval_millis: int = 5_000, helper_exports: bool = True):
+    """As under ``opentelemetry-instrument``: spans and request histograms built by
+    the helper process, whose SDK comes from the environment (batch span
+    processor and periodic metric reader into console exporters, whose output the
+    helper discards); the engine process keeps the observable instruments, read
+    by a periodic reader into an exporter that discards."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
+
+    from otel_kvcache import VLLMKVCacheInstrumentor
+
+    class DiscardMetrics(MetricExporter):
+        def __init__(self):
+            super().__init__()
+
+        def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis=10_000):
+            return True
+
+        def shutdown(self, timeout_millis=30_000, **kwargs):
+            pass
+
+    reader = PeriodicExportingMetricReader(DiscardMetrics(), export_interval_millis=export_interval_millis)
+    meter_provider = MeterProvider(metric_readers=[reader])
+    os.environ.update(
+        OTEL_KVCACHE_EXPORTER_PROCESS="on",
+        OTEL_TRACES_EXPORTER="console" if helper_exports else "none",
+        OTEL_METRICS_EXPORTER="console" if helper_exports else "none",
+        OTEL_LOGS_EXPORTER="none",
+        OTEL_METRIC_EXPORT_INTERVAL=str(export_interval_millis),
+    )
+    VLLMKVCacheInstrumentor().instrument(meter_provider=meter_provider)
+    return meter_provider
+
+
+def unhook() -> None:
+    """vLLM's own methods back on its classes; the engine's telemetry objects stay."""
+    from otel_kvcache import VLLMKVCacheInstrumentor
+
+    VLLMKVCacheInstrumentor().uninstrument()
+
+
+def empty(parts: str) -> None:
+    """Leaves the named parts of the instrumentation's work out (``EMPTIED_METHODS``)."""
+    from otel_kvcache.engine import EngineTelemetry
+    from otel_kvcache.pool import PoolTracker
+
+    owners = {"EngineTelemetry": EngineTelemetry, "PoolTracker": PoolTracker}
+    for part in parts.split(","):
+        owner_name, methods = EMPTIED_METHODS[part]
+        owner = owners[owner_name]
+        for method in methods:
+            getattr(owner, method)  # renamed since? then fail here, not measure nothing
+            setattr(owner, method, lambda *args, **kwargs: None)

@@ -285,3 +285,32 @@ def break_free_for(monkeypatch, engine, victim: str, orphan: bool) -> list:
 
     monkeypatch.setattr(manager, "free", free)
     return lost
+
+
+def busy_run_decisions(model_config) -> tuple:
+    """A preempting, prefix-sharing, aborting run; returns everything vLLM decided."""
+    engine = EngineHarness(make_scheduler(model_config, num_blocks=24))
+    requests = [
+        engine.add(engine.make_request(f"req-{i}", prompt_len=40 + 8 * i, shared_prefix=32, max_tokens=60))
+        for i in range(6)
+    ]
+    decisions = []
+    for step in range(400):
+        if not engine.scheduler.has_requests():
+            break
+        if step == 10:
+            engine.abort("req-1")
+        out = engine.step()
+        decisions.append(
+            (
+                sorted(out.num_scheduled_tokens.items()),
+                sorted(r.req_id for r in out.scheduled_new_reqs),
+                sorted(out.scheduled_cached_reqs.resumed_req_ids),
+                sorted(out.preempted_req_ids or ()),
+                sorted(out.finished_req_ids),
+            )
+        )
+    final = [
+        (r.request_id, r.status, r.num_preemptions, list(r.output_token_ids), r.num_computed_tokens) for r in requests
+    ]
+    return decisions, final, engine.pool_scan(), engine.events.removed_hashes

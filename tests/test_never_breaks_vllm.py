@@ -12,36 +12,7 @@ from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.pool import PoolTracker
 
 from conftest import Telemetry
-from engine_harness import EngineHarness, make_scheduler
-
-
-def _workload(model_config):
-    """A preempting, prefix-sharing, aborting run; returns everything vLLM decided."""
-    engine = EngineHarness(make_scheduler(model_config, num_blocks=24))
-    requests = [
-        engine.add(engine.make_request(f"req-{i}", prompt_len=40 + 8 * i, shared_prefix=32, max_tokens=60))
-        for i in range(6)
-    ]
-    decisions = []
-    for step in range(400):
-        if not engine.scheduler.has_requests():
-            break
-        if step == 10:
-            engine.abort("req-1")
-        out = engine.step()
-        decisions.append(
-            (
-                sorted(out.num_scheduled_tokens.items()),
-                sorted(r.req_id for r in out.scheduled_new_reqs),
-                sorted(out.scheduled_cached_reqs.resumed_req_ids),
-                sorted(out.preempted_req_ids or ()),
-                sorted(out.finished_req_ids),
-            )
-        )
-    final = [
-        (r.request_id, r.status, r.num_preemptions, list(r.output_token_ids), r.num_computed_tokens) for r in requests
-    ]
-    return decisions, final, engine.pool_scan(), engine.events.removed_hashes
+from engine_harness import EngineHarness, busy_run_decisions, make_scheduler
 
 
 def _instrumented(telemetry):
@@ -55,12 +26,12 @@ def _fail(*args, **kwargs):
 
 
 def test_scheduler_decisions_identical_with_and_without_instrumentation(model_config, monkeypatch, caplog):
-    baseline = _workload(model_config)
+    baseline = busy_run_decisions(model_config)
 
     telemetry = Telemetry()
     instrumentor = _instrumented(telemetry)
     try:
-        instrumented = _workload(model_config)
+        instrumented = busy_run_decisions(model_config)
         assert len(telemetry.kv_spans()) == 6
         assert telemetry.total(names.INSTRUMENTATION_ERRORS) == 0
         instrumentor.uninstrument()
@@ -81,7 +52,7 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
             monkeypatch.setattr(PoolTracker, method, _fail)
         instrumentor = _instrumented(telemetry)
         with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
-            failing = _workload(model_config)
+            failing = busy_run_decisions(model_config)
     finally:
         instrumentor.uninstrument()
 

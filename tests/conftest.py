@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_kvcache import VLLMKVCacheInstrumentor, names
+from otel_kvcache import VLLMKVCacheInstrumentor, config, names
 
 
 class Telemetry:
@@ -44,6 +44,12 @@ class Telemetry:
 
     def blocks_by_state(self) -> dict[str, int]:
         return {p.attributes[names.BLOCK_STATE]: p.value for p in self.points(names.BLOCKS)}
+
+
+@pytest.fixture(autouse=True)
+def no_settings_warned_yet(monkeypatch):
+    """Each test is a new vLLM instance: no bad setting has been warned about yet."""
+    monkeypatch.delenv(config.WARNED_SETTINGS, raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from otel_kvcache import names
+from otel_kvcache import config, names
 from otel_kvcache.gpu import VLLMGPUInstrumentor
 from otel_kvcache.gpu import instrumentor as gpu_instrumentor
 from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
@@ -41,7 +41,7 @@ class GPUTelemetry:
 def gpu(monkeypatch):
     """Instruments with fakes; yields (telemetry, fake NVML, instrument function)."""
     monkeypatch.delenv(PROCESS_ENVIRONMENT_VARIABLE, raising=False)
-    monkeypatch.delenv(gpu_instrumentor.DEVICE_METRICS_VARIABLE, raising=False)
+    monkeypatch.delenv(config.DEVICE_METRICS, raising=False)
     telemetry = GPUTelemetry()
     instrumentor = VLLMGPUInstrumentor()
 
@@ -156,7 +156,7 @@ def test_device_metrics_come_from_one_process(gpu, monkeypatch, role, setting, d
     if role:
         monkeypatch.setenv(PROCESS_ENVIRONMENT_VARIABLE, f'{{"vllm.process.role": "{role}"}}')
     if setting:
-        monkeypatch.setenv(gpu_instrumentor.DEVICE_METRICS_VARIABLE, setting)
+        monkeypatch.setenv(config.DEVICE_METRICS, setting)
     instrument()
     got = telemetry.points()
     assert (names.GPU_MEMORY_USAGE in got) is devices_reported
@@ -165,7 +165,7 @@ def test_device_metrics_come_from_one_process(gpu, monkeypatch, role, setting, d
 
 def test_a_bad_setting_names_the_variable_and_the_value_used(gpu, monkeypatch, caplog):
     telemetry, instrument = gpu
-    monkeypatch.setenv(gpu_instrumentor.DEVICE_METRICS_VARIABLE, "sometimes")
+    monkeypatch.setenv(config.DEVICE_METRICS, "sometimes")
     with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
         instrument()
     [message] = [r.getMessage() for r in caplog.records]

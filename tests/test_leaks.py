@@ -198,13 +198,3 @@ def test_the_gate_reads_a_prometheus_endpoints_text():
     )
     readings = gate.readings_from_prometheus(text)
     assert gate.evaluate(readings, gate.Tolerances()) == ["engine 0: orphaned blocks 3 > tolerance 0"]
-
-
-def test_a_bad_setting_names_the_variable_and_the_value_used(monkeypatch, caplog):
-    from otel_kvcache.config import ZOMBIE_GRACE_SECONDS, env_float
-
-    monkeypatch.setenv(ZOMBIE_GRACE_SECONDS, "half a minute")
-    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
-        assert env_float(ZOMBIE_GRACE_SECONDS, 30.0) == 30.0
-    [message] = [r.getMessage() for r in caplog.records]
-    assert "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS='half a minute'" in message and "using 30.0" in message

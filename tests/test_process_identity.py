@@ -56,8 +56,8 @@ def test_a_spawned_engine_core_is_told_its_role_and_the_parent_keeps_its_environ
     assert os.environ[PROCESS_ENVIRONMENT_VARIABLE] == handed_down
 
 
-def _resource_under_opentelemetry_instrument(env: dict[str, str]) -> dict:
-    code = textwrap.dedent(
+def _resource_under_opentelemetry_instrument(env: dict[str, str], code: str | None = None) -> dict:
+    code = code or textwrap.dedent(
         """
         import json, os
         from opentelemetry import trace
@@ -92,3 +92,51 @@ def test_the_users_variables_win_and_a_handed_down_role_is_typed():
     assert seen["resource"]["service.name"] == "chat-backend"
     assert seen["resource"][names.PROCESS_ROLE] == "engine_core"
     assert seen["resource"][names.ENGINE_INDEX] == 2
+
+
+def test_the_resource_tracker_started_beside_an_engine_core_is_not_an_engine(tmp_path):
+    """The first spawn starts multiprocessing's resource tracker with the EngineCore's
+    attributes in the environment; the tracker is not vLLM's and takes no role."""
+    code = textwrap.dedent(
+        """
+        import json, multiprocessing, os
+        from multiprocessing import resource_tracker
+
+        def engine_core():
+            pass
+
+        if __name__ == "__main__":
+            process = multiprocessing.get_context("spawn").Process(target=engine_core, name="EngineCore_DP0")
+            process.start()
+            process.join()
+            with open(f"/proc/{resource_tracker._resource_tracker._pid}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\\0")[:-1]
+            with open(f"/proc/{resource_tracker._resource_tracker._pid}/environ", "rb") as f:
+                environ = dict(v.split("=", 1) for v in f.read().decode().split("\\0") if "=" in v)
+            print(json.dumps({"argv": argv, "handed_down": environ.get("OTEL_KVCACHE_VLLM_PROCESS")}))
+        """
+    )
+    (tmp_path / "engine.py").write_text(code)
+    environment = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+                   "OTEL_LOGS_EXPORTER": "none"}
+    environment.pop(PROCESS_ENVIRONMENT_VARIABLE, None)
+    result = subprocess.run([OPENTELEMETRY_INSTRUMENT, sys.executable, str(tmp_path / "engine.py")],
+                            capture_output=True, text=True, timeout=120, env=environment)
+    assert result.returncode == 0, result.stderr
+    tracker = json.loads(result.stdout.strip().splitlines()[-1])
+    assert json.loads(tracker["handed_down"])[names.PROCESS_ROLE] == "engine_core"  # what it inherited
+
+    # That process's own command line, run as it ran, with what it inherited: no role.
+    *_, program = tracker["argv"]
+    probe = program.split(";")[0] + textwrap.dedent(
+        """
+        import json, os
+        from opentelemetry import trace
+        print(json.dumps({"resource": dict(trace.get_tracer_provider().resource.attributes),
+                          "pid": os.getpid(), "exporter": None}))
+        """
+    )
+    seen = _resource_under_opentelemetry_instrument({PROCESS_ENVIRONMENT_VARIABLE: tracker["handed_down"]},
+                                                    code=probe)
+    assert names.PROCESS_ROLE not in seen["resource"] and names.ENGINE_INDEX not in seen["resource"]
+    assert seen["resource"]["service.name"] == "vllm"

@@ -45,7 +45,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import get_meter
 from opentelemetry.trace import get_tracer
 
-from otel_kvcache.config import EXPORTER_PROCESS, EXPORTER_PROCESS_CHOICES, env_choice
+from otel_kvcache import config
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import RequestExporter, RequestHistograms
 from otel_kvcache.hooks import LazyPatcher
@@ -73,6 +73,7 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
         return get_dependency_conflicts(_instruments, _instruments_any)
 
     def _instrument(self, **kwargs: Any) -> None:
+        config.check_all()
         tracer = get_tracer(
             METER_SCOPE, __version__, kwargs.get("tracer_provider"), schema_url=_SCHEMA_URL
         )
@@ -108,7 +109,7 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
 def _exports_from_a_helper_process(given_providers: bool) -> bool:
     """``auto``: when the SDK comes from the environment (auto-instrumentation
     configured it), so that a helper process can configure its own the same way."""
-    setting = env_choice(EXPORTER_PROCESS, EXPORTER_PROCESS_CHOICES)
+    setting = config.exporter_process()
     if setting != "auto":
         return setting == "on"
     return not given_providers and "opentelemetry.instrumentation.auto_instrumentation" in sys.modules

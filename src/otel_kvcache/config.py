@@ -1,8 +1,18 @@
-"""Settings from the environment; a bad value is named in a warning with the value used instead."""
+"""Settings from the environment; a bad value is named in a warning with the value used instead.
+
+vLLM's processes inherit the environment, so each of them would read a bad
+value and warn about it (up to one process per worker and engine). The first
+process to warn records it in ``OTEL_KVCACHE_WARNED_SETTINGS``; the processes
+it starts afterwards inherit the record and stay quiet about the same value.
+``check_all()`` reads every setting, so that the first process, the API
+server, warns about all of them once for the whole vLLM instance.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 
 _logger = logging.getLogger(__name__)
@@ -19,6 +29,40 @@ EXPORTER_PROCESS = "OTEL_KVCACHE_EXPORTER_PROCESS"
 configured from the environment, as by ``opentelemetry-instrument``), ``on``, ``off``."""
 EXPORTER_PROCESS_CHOICES = ("auto", "on", "off")
 
+DEVICE_METRICS = "OTEL_KVCACHE_GPU_DEVICE_METRICS"
+"""Which processes report the devices' NVML gauges: ``auto`` (the API server, or a
+process vLLM did not start), ``always``, ``never``."""
+DEVICE_METRICS_CHOICES = ("auto", "always", "never")
+
+WARNED_SETTINGS = "OTEL_KVCACHE_WARNED_SETTINGS"
+"""JSON list of ``VARIABLE=value`` already warned about in this vLLM instance."""
+
+
+def reconcile_seconds() -> float:
+    return env_float(RECONCILE_SECONDS, 5.0)
+
+
+def zombie_grace_seconds() -> float:
+    return env_float(ZOMBIE_GRACE_SECONDS, 30.0)
+
+
+def stuck_steps() -> int:
+    return env_int(STUCK_STEPS, 1024)
+
+
+def exporter_process() -> str:
+    return env_choice(EXPORTER_PROCESS, EXPORTER_PROCESS_CHOICES)
+
+
+def device_metrics() -> str:
+    return env_choice(DEVICE_METRICS, DEVICE_METRICS_CHOICES)
+
+
+def check_all() -> None:
+    """Reads every setting, warning (once per vLLM instance) about each bad one."""
+    for read in (reconcile_seconds, zombie_grace_seconds, stuck_steps, exporter_process, device_metrics):
+        read()
+
 
 def env_choice(variable: str, choices: tuple[str, ...]) -> str:
     """One of ``choices`` (the first is the default)."""
@@ -27,7 +71,7 @@ def env_choice(variable: str, choices: tuple[str, ...]) -> str:
         return choices[0]
     value = raw.strip().lower()
     if value not in choices:
-        _logger.warning("otel-kvcache: %s=%r is not one of %s; using %r", variable, raw, ", ".join(choices), choices[0])
+        _warn_once(variable, raw, f"is not one of {', '.join(choices)}; using {choices[0]!r}")
         return choices[0]
     return value
 
@@ -40,8 +84,9 @@ def _number(variable: str, default: float, cast, minimum: float) -> float:
         value = cast(raw)
     except ValueError:
         value = None
-    if value is None or value < minimum:
-        _logger.warning("otel-kvcache: %s=%r is not a number >= %s; using %s", variable, raw, minimum, default)
+    # nan compares false with everything and inf never comes: either would turn a check off.
+    if value is None or not math.isfinite(value) or value < minimum:
+        _warn_once(variable, raw, f"is not a finite number >= {minimum}; using {default}")
         return default
     return value
 
@@ -52,3 +97,15 @@ def env_int(variable: str, default: int, minimum: int = 1) -> int:
 
 def env_float(variable: str, default: float, minimum: float = 0.0) -> float:
     return float(_number(variable, default, float, minimum))
+
+
+def _warn_once(variable: str, raw: str, what: str) -> None:
+    setting = f"{variable}={raw}"
+    try:
+        warned = list(json.loads(os.environ.get(WARNED_SETTINGS) or "[]"))
+    except (ValueError, TypeError):
+        warned = []
+    if setting in warned:
+        return
+    _logger.warning("otel-kvcache: %s=%r %s", variable, raw, what)
+    os.environ[WARNED_SETTINGS] = json.dumps([*warned, setting])

@@ -28,8 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from otel_kvcache import names
-from otel_kvcache.config import RECONCILE_SECONDS, STUCK_STEPS, ZOMBIE_GRACE_SECONDS, env_float, env_int
+from otel_kvcache import config, names
 from otel_kvcache.export import Finding, event_attributes, log_in_trace
 from otel_kvcache.record import PROGRESS_STEP, PROGRESS_TOKENS
 from otel_kvcache.vllm_compat import real_blocks, running_status
@@ -61,10 +60,10 @@ class LeakReport:
 class Reconciler:
     def __init__(self, engine: EngineTelemetry, scheduler: Any) -> None:
         self.engine = engine
-        self.interval = env_float(RECONCILE_SECONDS, 5.0)
+        self.interval = config.reconcile_seconds()
         self.due = time.monotonic() + self.interval
-        self.grace_seconds = env_float(ZOMBIE_GRACE_SECONDS, 30.0)
-        self.stuck_steps = env_int(STUCK_STEPS, 1024)
+        self.grace_seconds = config.zombie_grace_seconds()
+        self.stuck_steps = config.stuck_steps()
         self.report = LeakReport()
         self._deferred_frees = scheduler.deferred_frees
         self._running = running_status()

@@ -8,6 +8,11 @@ and ``vllm.engine.index`` (``vllm.worker.rank`` for workers) in
 ``OTEL_KVCACHE_VLLM_PROCESS``. ``VLLMResourceDetector`` reads them back, typed,
 and adds ``process.pid`` and the default ``service.name`` of ``vllm``;
 ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` still win.
+
+multiprocessing starts processes of its own with the environment of the
+moment: the first spawn of an EngineCore starts the resource tracker while the
+EngineCore's attributes are in the environment. Those processes are not vLLM's
+and take none of them.
 """
 
 from __future__ import annotations
@@ -41,10 +46,18 @@ def _is_api_server(argv: list[str]) -> bool:
     return False
 
 
+# The modules multiprocessing runs its own processes from (``python -c "from <module> import main; ..."``).
+_MULTIPROCESSING_OWN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def _is_multiprocessings_own(argv: list[str]) -> bool:
+    return any(module in arg for arg in argv for module in _MULTIPROCESSING_OWN)
+
+
 def handed_down_attributes() -> dict[str, str | int]:
     """What the vLLM parent put in this process's environment ({} in a process vLLM did not start)."""
     handed_down = os.environ.get(PROCESS_ENVIRONMENT_VARIABLE)
-    if not handed_down:
+    if not handed_down or _is_multiprocessings_own(sys.orig_argv):
         return {}
     try:
         return dict(json.loads(handed_down))

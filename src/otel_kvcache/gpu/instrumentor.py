@@ -27,20 +27,18 @@ from opentelemetry.metrics import CallbackOptions, Observation, get_meter
 from otel_kvcache import names
 from otel_kvcache.gpu.allocator import AllocatorReading, TorchAllocatorSource
 from otel_kvcache.gpu.nvml import DeviceReading, NVMLSource
-from otel_kvcache.config import env_choice
+from otel_kvcache import config
 from otel_kvcache.package import _instruments
 from otel_kvcache.resource import handed_down_attributes, process_role
 from otel_kvcache.version import __version__
 
 _logger = logging.getLogger(__name__)
 
-DEVICE_METRICS_VARIABLE = "OTEL_KVCACHE_GPU_DEVICE_METRICS"
-DEVICE_METRICS_CHOICES = ("auto", "always", "never")
 READING_TTL_SECONDS = 0.5  # one NVML read serves all the gauges of one collection
 
 
 def reports_devices() -> bool:
-    setting = env_choice(DEVICE_METRICS_VARIABLE, DEVICE_METRICS_CHOICES)
+    setting = config.device_metrics()
     if setting != "auto":
         return setting == "always"
     return process_role() in (None, names.ROLE_API_SERVER)

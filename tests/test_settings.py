@@ -1,0 +1,97 @@
+"""Bad settings: named once per vLLM instance, replaced by the default, and never turn a check off."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from engine_harness import break_free_for
+from otel_kvcache import config, names
+
+NOT_FINITE = ["nan", "inf", "-inf", "1e309", "NaN"]
+
+
+@pytest.mark.parametrize("raw", NOT_FINITE)
+@pytest.mark.parametrize(
+    ("variable", "read", "default"),
+    [
+        (config.RECONCILE_SECONDS, config.reconcile_seconds, 5.0),
+        (config.ZOMBIE_GRACE_SECONDS, config.zombie_grace_seconds, 30.0),
+        (config.STUCK_STEPS, config.stuck_steps, 1024),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_by_name(monkeypatch, caplog, variable, read, default, raw):
+    monkeypatch.setenv(variable, raw)
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        assert read() == default
+    [message] = [r.getMessage() for r in caplog.records]
+    assert f"{variable}={raw!r}" in message and f"using {default}" in message
+
+
+def test_a_bad_setting_names_the_variable_and_the_value_used(monkeypatch, caplog):
+    monkeypatch.setenv(config.ZOMBIE_GRACE_SECONDS, "half a minute")
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        assert config.zombie_grace_seconds() == 30.0
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS='half a minute'" in message and "using 30.0" in message
+
+
+def test_a_nan_interval_still_finds_an_injected_zombie(monkeypatch, make_engine, telemetry):
+    """With ``nan`` the next pass was never due: a zombie went unreported while the engine was busy."""
+    monkeypatch.setenv(config.RECONCILE_SECONDS, "nan")
+    monkeypatch.setenv(config.ZOMBIE_GRACE_SECONDS, "0")
+    engine = make_engine(num_blocks=256)
+    break_free_for(monkeypatch, engine, "victim", orphan=False)
+    engine.add(engine.make_request("victim", prompt_len=70, max_tokens=4))
+    engine.add(engine.make_request("busy", prompt_len=40, max_tokens=1900))
+    while "victim" in engine.scheduler.requests:
+        engine.step()
+    leaked = engine.held_blocks("victim")  # vLLM's own KV manager still lists them
+    assert leaked > 0
+    deadline = time.monotonic() + 2 * config.reconcile_seconds() + 5
+    while telemetry.total(names.ZOMBIE_REQUESTS) == 0 and time.monotonic() < deadline:
+        assert "busy" in engine.scheduler.requests, "the engine went idle before the pass was due"
+        engine.step()
+        time.sleep(0.002)  # a model step's worth: the default interval passes within the request
+    assert telemetry.total(names.ZOMBIE_REQUESTS) == 1
+    assert telemetry.total(names.ZOMBIE_BLOCKS) == leaked
+
+
+def test_a_bad_setting_is_warned_about_once_per_vllm_instance(tmp_path):
+    """The first process warns; the processes it starts afterwards (spawned, as vLLM's
+    EngineCore and workers are) inherit the record and stay quiet about the same value."""
+    code = textwrap.dedent(
+        """
+        import logging, multiprocessing, sys
+        from otel_kvcache import config
+
+        def child():
+            logging.basicConfig(stream=sys.stderr)
+            config.check_all()
+
+        if __name__ == "__main__":
+            logging.basicConfig(stream=sys.stderr)
+            config.check_all()
+            context = multiprocessing.get_context("spawn")
+            for _ in range(3):
+                process = context.Process(target=child)
+                process.start()
+                process.join()
+        """
+    )
+    script = tmp_path / "instance.py"
+    script.write_text(code)
+    environment = {**os.environ, config.RECONCILE_SECONDS: "inf", config.EXPORTER_PROCESS: "sometimes"}
+    environment.pop(config.WARNED_SETTINGS, None)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=environment)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "otel-kvcache:" in line]
+    assert len(warnings) == 2, result.stderr
+    assert any("OTEL_KVCACHE_RECONCILE_SECONDS='inf'" in w and "using 5.0" in w for w in warnings)
+    assert any("OTEL_KVCACHE_EXPORTER_PROCESS='sometimes'" in w and "using 'auto'" in w for w in warnings)

@@ -42,8 +42,12 @@ def to_otlp_json(message) -> dict:
 class OTLPSink:
     """Receives traces, metrics and logs on ``127.0.0.1:<port>``."""
 
-    def __init__(self, directory: str | Path | None = None, port: int = 0) -> None:
+    def __init__(self, directory: str | Path | None = None, port: int = 0, refuse: bool = False) -> None:
         self.directory = Path(directory) if directory else None
+        self.refuse = refuse
+        """Answer every export with PERMISSION_DENIED (not retried), keeping nothing."""
+        self.refused = 0
+        """Spans refused so far."""
         self._lock = threading.Lock()
         self.requests: dict[str, list] = {kind: [] for kind, *_ in _SERVICES}
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -72,6 +76,11 @@ class OTLPSink:
             if self.directory:
                 with open(self.directory / f"{kind}.jsonl", "a") as f:
                     f.write(json.dumps(to_otlp_json(request), separators=(",", ":")) + "\n")
+
+    def _refused(self, request) -> None:
+        with self._lock:
+            for resource_spans in getattr(request, "resource_spans", ()):
+                self.refused += sum(len(scope_spans.spans) for scope_spans in resource_spans.scope_spans)
 
     # --- what the tests read ---------------------------------------------------------
 
@@ -117,6 +126,9 @@ def _servicer(base: type, kind: str, response: type) -> type:
             self.sink = sink
 
         def Export(self, request, context):  # noqa: N802 - the gRPC method name
+            if self.sink.refuse:
+                self.sink._refused(request)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, "this sink refuses everything")
             self.sink._keep(kind, request)
             return response()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from types import MappingProxyType
 
 import pytest
@@ -13,6 +14,16 @@ from otel_kvcache import VLLMKVCacheInstrumentor, names
 from otel_kvcache.exporter_process import ExporterProcess
 
 TRACE_ID, PARENT_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
+
+
+def helper_pid(exporter: ExporterProcess, timeout: float = 30) -> int:
+    """The helper's pid, once its first acknowledgement has come."""
+    deadline = time.monotonic() + timeout
+    while exporter.helper_pid is None and time.monotonic() < deadline:
+        exporter.flush()
+        time.sleep(0.05)
+    assert exporter.helper_pid is not None, "the helper never said its pid"
+    return exporter.helper_pid
 
 
 class HeaderValue(str):
@@ -65,11 +76,10 @@ def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_ex
         engine.run()
         exporter = engine.scheduler._otel_kvcache_engine.exporter
         assert isinstance(exporter, ExporterProcess)
-        exporter.close()  # the helper gets EOF, flushes its SDK and exits
+        assert exporter.close(wait=30)  # the helper gets EOF, flushes its SDK and exits
     finally:
         instrumentor.uninstrument()
 
-    assert exporter.process.returncode == 0
     assert exporter.dropped == 0
     assert telemetry.kv_spans() == []  # nothing was built in this process
     spans = {
@@ -135,7 +145,7 @@ def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, help
         instrumentor.uninstrument()
     assert received == {r.request_id for r in requests}
     assert all(r.num_output_tokens == 2 for r in requests)
-    exporter.close()
+    assert exporter.close(wait=30)
 
 
 def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, helper_exports_to, monkeypatch):
@@ -158,7 +168,7 @@ def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, help
         engine = EngineHarness(make_scheduler(model_config, num_blocks=512, max_num_seqs=64))
         exporter = engine.scheduler._otel_kvcache_engine.exporter
         fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, 4096)  # a page: a few records fill it
-        os.kill(exporter.process.pid, signal.SIGSTOP)
+        os.kill(helper_pid(exporter), signal.SIGSTOP)
         requests = []
         for wave in range(3):  # the engine hands over what it has whenever it goes idle
             requests += [
@@ -166,8 +176,8 @@ def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, help
             ]
             engine.run()
         assert exporter.dropped > 0
-        os.kill(exporter.process.pid, signal.SIGCONT)
-        exporter.close()  # what is left of the first frames, then EOF
+        os.kill(exporter.helper_pid, signal.SIGCONT)
+        assert exporter.close(wait=30)  # what is left of the first frames, then EOF
     finally:
         instrumentor.uninstrument()
     exported = {
@@ -203,7 +213,7 @@ def test_a_finding_about_an_ended_request_joins_its_trace_from_the_helper(
         engine.run()
         leaked = engine.held_blocks("victim")  # vLLM's own KV manager still lists them
         exporter = engine.scheduler._otel_kvcache_engine.exporter
-        exporter.close()
+        assert exporter.close(wait=30)
     finally:
         instrumentor.uninstrument()
     assert leaked > 0
@@ -220,25 +230,137 @@ def test_a_finding_about_an_ended_request_joins_its_trace_from_the_helper(
     assert attributes_of(event.attributes)[names.BLOCKS] == leaked
 
 
-def test_a_dead_helper_costs_its_spans_never_vllm(model_config, helper_exports_to):
+def _kv_span_ids(sink) -> set[str]:
+    return {
+        attributes_of(span.attributes)[names.REQUEST_ID] for _, span in sink.spans() if span.name == names.KV_REQUEST_SPAN
+    }
+
+
+def _settled(exporter: ExporterProcess, timeout: float = 30) -> None:
+    """Until the helper has acknowledged everything it was written."""
+    deadline = time.monotonic() + timeout
+    exporter.flush()
+    while exporter.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+        exporter.flush()
+    assert exporter.in_flight == 0
+
+
+def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(model_config, helper_exports_to):
+    """SIGKILL of the helper while it holds records (stopped, so it holds them for sure):
+    vLLM runs on, the engine notices, counts exactly those records, and a new helper
+    exports what comes next."""
+    import signal
+
     from engine_harness import EngineHarness, make_scheduler
+
+    sink = helper_exports_to
+    telemetry = Telemetry()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=telemetry.meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+
+        def wave(name: str, count: int) -> set[str]:
+            requests = [engine.add(engine.make_request(f"{name}-{i}", prompt_len=40, max_tokens=8)) for i in range(count)]
+            engine.run()  # idle at the end: everything is handed to the helper
+            assert all(r.num_output_tokens == 8 for r in requests)
+            return {r.request_id for r in requests}
+
+        before = wave("before", 5)
+        _settled(exporter)
+        first_helper = helper_pid(exporter)
+        os.kill(first_helper, signal.SIGSTOP)
+        lost = wave("lost", 7)
+        assert exporter.in_flight == len(lost)
+        os.kill(first_helper, signal.SIGKILL)
+        noticed_by = time.monotonic() + 1.0  # one flush interval of a busy engine
+        while exporter.helper_pid == first_helper and time.monotonic() < noticed_by:
+            exporter.flush_if_due(time.monotonic())  # what the engine's chores call each step
+            time.sleep(0.01)
+        assert exporter.helper_pid != first_helper, "the death went unnoticed for a second"
+        after = wave("after", 6)
+        _settled(exporter)
+        assert helper_pid(exporter) != first_helper
+        assert exporter.close(wait=30)
+    finally:
+        instrumentor.uninstrument()
+
+    assert _kv_span_ids(sink) == before | after
+    assert exporter.dropped == len(lost)
+    assert telemetry.total(names.TELEMETRY_DROPPED, **{names.STAGE: names.STAGE_HELPER_DIED}) == len(lost)
+    assert telemetry.total(names.TELEMETRY_DROPPED) == len(lost)
+    assert telemetry.total(names.INSTRUMENTATION_ERRORS, **{names.HOOK: "exporter_process"}) == len(lost)
+
+
+def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config, helper_exports_to, caplog):
+    import logging
+    import signal
+
+    from engine_harness import EngineHarness, make_scheduler
+
+    from otel_kvcache.exporter_process import MAX_DEATHS
 
     telemetry = Telemetry()
     instrumentor = VLLMKVCacheInstrumentor()
     instrumentor.instrument(meter_provider=telemetry.meter_provider)
     try:
-        engine = EngineHarness(make_scheduler(model_config, num_blocks=64))
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
         exporter = engine.scheduler._otel_kvcache_engine.exporter
-        exporter.process.kill()
-        exporter.process.wait()
-        requests = [engine.add(engine.make_request(f"r{i}", prompt_len=40, max_tokens=8)) for i in range(4)]
-        engine.run()  # the writes to the dead helper fail inside otel-kvcache only
+        with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+            for death in range(MAX_DEATHS):
+                pid = helper_pid(exporter)
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while exporter.helper_pid == pid and time.monotonic() < deadline:
+                    exporter.flush()
+                    time.sleep(0.02)
+            requests = [engine.add(engine.make_request(f"r{i}", prompt_len=40, max_tokens=8)) for i in range(4)]
+            engine.run()
     finally:
         instrumentor.uninstrument()
     assert all(r.num_output_tokens == 8 for r in requests)
+    gave_up = [r for r in caplog.records if "starts no more" in r.getMessage()]
+    assert len(gave_up) == 1
     assert exporter.dropped == len(requests)
-    [point] = telemetry.points(names.INSTRUMENTATION_ERRORS)
-    assert point.attributes[names.HOOK] == "exporter_process" and point.value >= 1
+    assert telemetry.total(names.TELEMETRY_DROPPED, **{names.STAGE: names.STAGE_HELPER_DIED}) == len(requests)
+
+
+def test_an_exporter_that_refuses_everything_counts_every_span(model_config, monkeypatch):
+    """A collector that answers every export with an error: each span the helper made
+    is counted as dropped at the export stage, and only those."""
+    from engine_harness import EngineHarness, make_scheduler
+
+    refusing = OTLPSink(refuse=True).start()
+    for variable, value in {
+        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": refusing.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    telemetry = Telemetry()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=telemetry.meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        requests = []
+        for wave in range(3):
+            requests += [engine.add(engine.make_request(f"w{wave}-{i}", prompt_len=40, max_tokens=4)) for i in range(9)]
+            engine.run()
+        _settled(exporter)
+    finally:
+        instrumentor.uninstrument()
+        refusing.stop()
+    assert all(r.is_finished() and r.num_output_tokens == 4 for r in requests)
+    made = len(requests)  # one span per finished request
+    assert refusing.refused == made  # every span reached the collector, which refused it
+    assert telemetry.total(names.TELEMETRY_DROPPED, **{names.STAGE: names.STAGE_EXPORT}) == made
+    assert telemetry.total(names.TELEMETRY_DROPPED) == made
 
 
 @pytest.mark.parametrize(

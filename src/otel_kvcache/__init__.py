@@ -89,7 +89,9 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
                 from otel_kvcache.resource import process_attributes
 
                 # The helper speaks for this EngineCore: same role, same pid.
-                return ExporterProcess({**process_attributes(), PROCESS_PID: os.getpid()}, errors)
+                return ExporterProcess(
+                    {**process_attributes(), PROCESS_PID: os.getpid()}, errors, instruments.telemetry_dropped
+                )
 
         else:
             in_process = RequestExporter(tracer, RequestHistograms(meter))

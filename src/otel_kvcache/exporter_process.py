@@ -1,48 +1,58 @@
-"""A helper process that builds the engine's spans, so the engine thread doesn't.
+"""The engine's side of the helper process that builds its spans (``helper.py``).
 
 ``ExporterProcess`` lives in the EngineCore process: it holds each finished
 request (``RequestEnded`` fields) and each ``Finding`` as the engine hands it
 over, and every ``FLUSH_SECONDS`` (or when the engine goes idle) marshals what
-it holds, in one C loop, into one frame for the stdin of ``python -m
-otel_kvcache.exporter_process``. Taking a record is one ``list.extend`` on
-the engine thread (marshalling each at release ran ``marshal``'s code cold:
-4-5 us of a release on wide). The records' fields are kept one after
-another in one list, not as a tuple each: a second's worth of tuples, each
-counted by the garbage collector until freed, pushed CPython's young
-generation past its threshold (700 objects more allocated than freed) about
-once a second on churn, where vLLM alone, as many allocated as freed, goes
-many seconds without; each such collection walks vLLM's young requests and
-their token lists, a few milliseconds. (Records held as objects with their
-events and dicts had done it several times a second: 15-20 us a step.)
+it holds, in one C loop, into one frame for the helper's stdin. Taking a
+record is one ``list.extend`` on the engine thread (marshalling each at
+release ran ``marshal``'s code cold, 4-5 us of a release). The fields are kept
+one after another in one list, not as a tuple each, so that a second's worth
+of records adds no objects for the garbage collector to count
+(``benchmarks/RESULTS.md`` has the numbers).
+
 The pipe is non-blocking and as large as Linux lets it be made
 (``PIPE_BYTES``); what it cannot take at once is written again
-``RETRY_SECONDS`` later. If the helper falls behind by more than
-``MAX_BUFFERED_BYTES``, a frame's records are dropped and counted, never
-waited for.
+``RETRY_SECONDS`` later. Nothing is ever waited for, and nothing is lost
+without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
 
-The helper configures the OpenTelemetry SDK from the inherited ``OTEL_*``
-environment (by ``opentelemetry-instrument``'s sitecustomize, or here if it
-did not run) with the EngineCore's resource attributes handed down, runs
-``RequestExporter`` on every message, and flushes and exits when the pipe
-closes, i.e. when the EngineCore exits.
+- ``pipe``: the helper fell more than ``MAX_BUFFERED_BYTES`` behind; a new
+  frame's records are dropped;
+- ``helper_died``: records written to a helper that then died before it
+  acknowledged them (it writes ``pid done failed`` lines back on its stdout
+  after each frame), and those a dead helper that is not replaced would get;
+- ``export``: spans the helper's exporter refused or failed to send, as the
+  helper acknowledged them.
+
+A helper that dies (its pipes close) is noticed at the next flush, at most
+``FLUSH_SECONDS`` later while the engine steps, and replaced; after
+``MAX_DEATHS`` deaths within ``DEATHS_WINDOW_SECONDS`` the engine stops
+starting helpers, says so once, and counts what it would have sent.
+
+The helper is started through a tiny launcher that forks it and exits at
+once: the helper is no child of the EngineCore, in a session of its own, so
+vLLM's shutdown, which SIGKILLs the EngineCore's process tree, leaves it to
+export what it was handed (``helper.py``).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import fcntl
 import io
 import json
 import logging
 import marshal
 import os
+import select
 import struct
 import subprocess
 import sys
 import time
 from itertools import repeat
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
+from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import Finding, RequestEnded
 from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
@@ -56,6 +66,10 @@ FLUSH_SECONDS = 1.0
 PIPE_BYTES = 1 << 20
 RETRY_SECONDS = 0.05
 MAX_BUFFERED_BYTES = 8 << 20
+MAX_DEATHS = 3
+DEATHS_WINDOW_SECONDS = 60.0
+CLOSE_SECONDS = 5.0
+"""At the engine's exit, the most time spent handing the helper what is left."""
 # Version 2 writes no back-references, so it builds no hash table per call: half
 # the time of the default (measured a record at a time: 1.9 against 4.1 us).
 MARSHAL_VERSION = 2
@@ -66,36 +80,44 @@ _FIELDS = len(RequestEnded._fields)
 HOOK = "exporter_process"
 """The name our errors in the channel are counted under."""
 
+# Runs with ``-I -S`` (no site, no sitecustomize: a few milliseconds): forks the helper,
+# which the exec gives the whole environment back, and exits, so that the helper is
+# reparented away from the EngineCore's process tree.
+_LAUNCHER = """\
+import os, sys
+if os.fork() == 0:
+    os.execv(sys.executable, [sys.executable, "-m", "otel_kvcache.helper", *sys.argv[1:]])
+os._exit(0)
+"""
 
-class HelperFellBehind(RuntimeError):
-    """Records dropped because the helper process did not keep up (or exited)."""
+
+class TelemetryLost(RuntimeError):
+    """Records lost between the engine and the exporter (counted by stage)."""
+
+
+class _Frame:
+    """A frame not yet wholly written to the helper: its bytes left and its records."""
+
+    __slots__ = ("unwritten", "records")
+
+    def __init__(self, size: int, records: int) -> None:
+        self.unwritten = size
+        self.records = records
 
 
 class ExporterProcess:
     """The engine's side of the pipe to its helper process."""
 
-    def __init__(self, handed_down: dict[str, Any], errors: InstrumentationErrors) -> None:
+    def __init__(self, handed_down: dict[str, Any], errors: InstrumentationErrors, dropped: Any) -> None:
         self.errors = errors
-        environment = dict(os.environ)
-        environment[PROCESS_ENVIRONMENT_VARIABLE] = json.dumps(handed_down)
+        self._dropped_counter = dropped
+        self._environment = dict(os.environ)
+        self._environment[PROCESS_ENVIRONMENT_VARIABLE] = json.dumps(handed_down)
         # The helper runs our exporter only: it must not instrument itself.
-        disabled = environment.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
-        environment["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = ",".join(
+        disabled = self._environment.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
+        self._environment["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = ",".join(
             filter(None, [disabled, "vllm_kvcache", "vllm_gpu"])
         )
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "otel_kvcache.exporter_process"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            env=environment,
-            close_fds=True,
-        )
-        self._fd = self.process.stdin.fileno()
-        os.set_blocking(self._fd, False)
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        except (AttributeError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size
-            pass
         self._pending: list = []
         """Finished requests' ``RequestEnded`` fields, one after another (flat)."""
         self.request_ended = self._pending.extend
@@ -103,11 +125,102 @@ class ExporterProcess:
         one C call on the engine's hot path (see the module's docstring)."""
         self._findings: list[tuple] = []
         self._outgoing = bytearray()  # frames, not yet all written
-        self._outgoing_records = 0
-        self._helper_gone = False
+        self._frames: collections.deque[_Frame] = collections.deque()
+        self._deaths: list[float] = []
+        self._gave_up = False
         self.due = time.monotonic() + FLUSH_SECONDS
         self.dropped = 0
+        """Records lost so far, all stages together."""
+        self._start_helper()
         atexit.register(self.close)
+
+    # --- the helper ---------------------------------------------------------------
+
+    def _start_helper(self) -> None:
+        self._launcher = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=self._environment,
+            close_fds=True,
+            start_new_session=True,  # not in the engine's process group: a Ctrl-C is not for it
+        )
+        self._fd = self._launcher.stdin.fileno()
+        self._acks_fd = self._launcher.stdout.fileno()
+        os.set_blocking(self._fd, False)
+        os.set_blocking(self._acks_fd, False)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (AttributeError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size
+            pass
+        self._acks = b""
+        self.helper_pid: int | None = None
+        """The helper's process id, once it has said it (its first acknowledgement)."""
+        self._sent = 0  # records in frames wholly written to this helper
+        self._done = 0  # records it acknowledged: exported, or counted as failed
+        self._failed = 0  # spans its exporter failed to send, as acknowledged
+        self._failed_counted = 0
+
+    def _read_acknowledgements(self) -> bool:
+        """Takes what the helper said; False once its stdout closed (it exited)."""
+        alive = True
+        try:
+            while chunk := os.read(self._acks_fd, 4096):
+                self._acks += chunk
+            alive = False  # end of file
+        except BlockingIOError:
+            pass
+        *lines, self._acks = self._acks.split(b"\n")
+        if lines:
+            self.helper_pid, self._done, self._failed = map(int, lines[-1].split())
+            if self._failed > self._failed_counted:
+                self._drop(self._failed - self._failed_counted, names.STAGE_EXPORT)
+                self._failed_counted = self._failed
+        if self._launcher.returncode is None:
+            self._launcher.poll()  # reaps the launcher, which exits once it has forked
+        return alive
+
+    @property
+    def in_flight(self) -> int:
+        """Records written to the helper that it has not yet acknowledged as done."""
+        return self._sent - self._done
+
+    def _helper_died(self) -> None:
+        """Counts what the dead helper took with it, reaps the launcher, starts a new
+        helper (unless too many died lately) for the frames not yet written."""
+        self._read_acknowledgements()  # its last words
+        lost = self._sent - self._done
+        if self._frames and self._frames[0].unwritten < len(self._outgoing):  # a frame written in part
+            partial = self._frames.popleft()
+            del self._outgoing[: partial.unwritten]
+            lost += partial.records
+        if lost:
+            self._drop(lost, names.STAGE_HELPER_DIED)
+        for stream in (self._launcher.stdin, self._launcher.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        self._launcher.wait()  # the launcher exits at once: the helper is not our child
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < DEATHS_WINDOW_SECONDS] + [now]
+        if len(self._deaths) >= MAX_DEATHS:
+            self._gave_up = True
+            _logger.error(
+                "otel-kvcache: the span helper process died %d times within %.0f s; this engine "
+                "starts no more, and counts its requests' spans as dropped (%s)",
+                len(self._deaths),
+                DEATHS_WINDOW_SECONDS,
+                names.TELEMETRY_DROPPED,
+            )
+            self._drop(sum(frame.records for frame in self._frames), names.STAGE_HELPER_DIED)
+            self._frames.clear()
+            self._outgoing.clear()
+            return
+        _logger.warning("otel-kvcache: the span helper process died; starting a new one (%d records lost)", lost)
+        self._start_helper()
+
+    # --- the hand-over -----------------------------------------------------------
 
     def finding(self, finding: Finding) -> None:
         self._findings.append(tuple(finding))
@@ -121,28 +234,25 @@ class ExporterProcess:
             self.due = now + (RETRY_SECONDS if self._outgoing else FLUSH_SECONDS)
 
     def flush(self) -> None:
+        if not self._gave_up and not self._read_acknowledgements():
+            self._helper_died()
         pending, findings = self._pending, self._findings
         if pending or findings:
-            # Past MAX_BUFFERED_BYTES of frames the helper has not read, a frame is dropped.
-            if self._helper_gone or len(self._outgoing) > MAX_BUFFERED_BYTES:
-                self._drop(len(pending) // _FIELDS + len(findings))
+            if self._gave_up:
+                self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_HELPER_DIED)
+            elif len(self._outgoing) > MAX_BUFFERED_BYTES:  # the helper is that far behind
+                self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_PIPE)
             else:
                 frame, count = self._marshalled(pending, findings)
                 self._outgoing += _FRAME_HEADER.pack(len(frame))
                 self._outgoing += frame
-                self._outgoing_records += count
+                self._frames.append(_Frame(_FRAME_HEADER.size + len(frame), count))
             pending.clear()
             findings.clear()
-        written = self._write_what_fits()
-        if written < 0:  # the helper exited
-            self._helper_gone = True
-            self._outgoing.clear()
-            self._drop(self._outgoing_records)
-            self._outgoing_records = 0
-            return
-        del self._outgoing[:written]
-        if not self._outgoing:
-            self._outgoing_records = 0
+        if self._outgoing and self._write_what_fits() < 0:
+            self._helper_died()
+            if not self._gave_up:
+                self._write_what_fits()  # to the new helper
 
     def _marshalled(self, ended_fields: list, findings: list[tuple]) -> tuple[bytes, int]:
         """A frame: the finished requests' fields as one flat list, then the findings,
@@ -159,7 +269,7 @@ class ExporterProcess:
                     fields = _with_plain_headers(ended_fields[start : start + _FIELDS])
                     frame.append(marshal.dumps(fields, MARSHAL_VERSION))
                 except ValueError:
-                    self._drop(1)
+                    self._drop(1, names.STAGE_PIPE)
                     written -= 1
         frame.extend(map(marshal.dumps, findings, repeat(MARSHAL_VERSION)))
         return b"".join(frame), written + len(findings)
@@ -174,27 +284,58 @@ class ExporterProcess:
             except BlockingIOError:
                 pass
             except OSError:
-                return -1
+                written = -1
+        if written > 0:
+            del self._outgoing[:written]
+            self._note_written(written)
         return written
 
-    def _drop(self, count: int) -> None:
-        self.dropped += count
-        self.errors.record(HOOK, HelperFellBehind(f"{self.dropped} records dropped so far"))
+    def _note_written(self, written: int) -> None:
+        frames = self._frames
+        while frames and written >= frames[0].unwritten:
+            written -= frames[0].unwritten
+            self._sent += frames.popleft().records
+        if frames:
+            frames[0].unwritten -= written
 
-    def close(self, timeout: float = 10.0) -> None:
-        """At exit: hand over everything pending, then let the helper export and exit."""
-        stdin = self.process.stdin
-        if stdin is None or stdin.closed or self._helper_gone:
-            return
+    def _drop(self, count: int, stage: str) -> None:
+        self.dropped += count
         try:
-            self.flush()
-            os.set_blocking(self._fd, True)
-            while self._outgoing:
-                del self._outgoing[: os.write(self._fd, self._outgoing)]
+            self._dropped_counter.add(count, {names.STAGE: stage})
+        except Exception:  # noqa: BLE001 - a broken SDK must not reach vLLM
+            pass
+        self.errors.record(HOOK, TelemetryLost(f"{count} records lost at {stage}; {self.dropped} so far"), count)
+
+    def close(self, wait: float = 0.0) -> bool:
+        """At exit: hand the helper everything pending within ``CLOSE_SECONDS``, then close
+        its stdin (it exports and exits on its own); ``wait`` seconds more for it to exit.
+        Whether it exited (False if not waited for)."""
+        stdin = self._launcher.stdin
+        if stdin is None or stdin.closed or self._gave_up:
+            return False
+        self.flush()
+        deadline = time.monotonic() + CLOSE_SECONDS
+        while self._outgoing and time.monotonic() < deadline:
+            select.select([], [self._fd], [], max(0.0, deadline - time.monotonic()))
+            if self._write_what_fits() < 0:
+                break
+        if self._outgoing:
+            self._drop(sum(frame.records for frame in self._frames), names.STAGE_PIPE)
+        try:
             stdin.close()
-            self.process.wait(timeout)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            _logger.warning("otel-kvcache: the exporter process did not finish cleanly: %s", exc)
+        except OSError:
+            pass
+        self._launcher.wait()
+        return bool(wait) and self.wait_for_helper(wait)
+
+    def wait_for_helper(self, timeout: float) -> bool:
+        """Whether the helper exited (its stdout closed) within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._read_acknowledgements():
+                return True
+            select.select([self._acks_fd], [], [], max(0.0, deadline - time.monotonic()))
+        return False
 
 
 def _with_plain_headers(fields: list) -> list:
@@ -204,29 +345,8 @@ def _with_plain_headers(fields: list) -> list:
     return fields
 
 
-# --- the helper process ---------------------------------------------------------
-
-
-def _configured_exporter():
-    from opentelemetry import metrics, trace
-    from opentelemetry.trace import ProxyTracerProvider
-
-    from otel_kvcache.export import RequestExporter, RequestHistograms
-    from otel_kvcache.names import METER_SCOPE
-    from otel_kvcache.version import __version__
-
-    if isinstance(trace.get_tracer_provider(), ProxyTracerProvider):
-        # Not started under opentelemetry-instrument: configure the SDK the way it would.
-        from opentelemetry.instrumentation.auto_instrumentation import initialize
-
-        initialize()
-    tracer = trace.get_tracer(METER_SCOPE, __version__)
-    histograms = RequestHistograms(metrics.get_meter(METER_SCOPE, __version__))
-    return RequestExporter(tracer, histograms)
-
-
-def _records(stream):
-    """The records of each frame from the engine, until the pipe closes."""
+def read_frames(stream: BinaryIO) -> Iterator[list]:
+    """Each frame's records, as the engine wrote them, until the pipe closes (``helper.py``)."""
     while True:
         header = stream.read(_FRAME_HEADER.size)
         if len(header) < _FRAME_HEADER.size:
@@ -235,29 +355,11 @@ def _records(stream):
         frame = stream.read(length)
         if len(frame) < length:
             return
-        records = io.BytesIO(frame)
-        while records.tell() < length:
-            record = marshal.load(records)
+        buffer, records = io.BytesIO(frame), []
+        while buffer.tell() < length:
+            record = marshal.load(buffer)
             if type(record) is list:  # finished requests' fields, one after another
-                for start in range(0, len(record), _FIELDS):
-                    yield record[start : start + _FIELDS]
+                records.extend(record[start : start + _FIELDS] for start in range(0, len(record), _FIELDS))
             else:  # a finding
-                yield record
-
-
-def main() -> int:
-    exporter = _configured_exporter()
-    for record in _records(sys.stdin.buffer):
-        try:
-            if len(record) == len(Finding._fields):
-                exporter.finding(Finding._make(record))
-            else:
-                exporter.request_ended(record)
-        except Exception:  # noqa: BLE001 - one bad record must not stop the others
-            _logger.exception("otel-kvcache: could not export a record")
-    # The SDK's providers flush and shut down at exit.
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+                records.append(record)
+        yield records

@@ -68,6 +68,11 @@ class KVCacheInstruments:
             unit="{error}",
             description="Errors inside otel-kvcache; vLLM kept running.",
         )
+        self.telemetry_dropped = meter.create_counter(
+            names.TELEMETRY_DROPPED,
+            unit="{record}",
+            description="Request records and findings lost between the engine and the backend, by stage.",
+        )
         # The pool's state, as each engine's tracker counts it now.
         for name, unit, description, callback in (
             (names.BLOCKS, "{block}", "KV-cache blocks by state: used, cached (evictable prefix), free.",

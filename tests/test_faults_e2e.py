@@ -1,0 +1,194 @@
+"""Faults a production meets, on vLLM's real server: its default shutdown, a killed
+helper, a collector that is not there. Expected values come from vLLM's responses
+and from what reaches a real OTLP receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from demo.load import LoadClient
+from demo.otlp_sink import OTLPSink, attributes_of
+from demo.server import ServerConfig, VLLMServer, free_port
+from otel_kvcache import names
+
+from test_serving_e2e import kv_spans, wait_for
+
+
+@pytest.fixture
+def sink():
+    sink = OTLPSink().start()
+    yield sink
+    sink.stop()
+
+
+def _serve(tiny_model, sink, tmp_path) -> VLLMServer:
+    # vLLM's default shutdown: no --shutdown-timeout, so it SIGKILLs the EngineCore's tree at once.
+    config = ServerConfig(model=tiny_model, otlp_endpoint=sink.endpoint, num_blocks=256, max_num_seqs=32)
+    return VLLMServer(config, tmp_path / "server.log").start()
+
+
+def _burst(server: VLLMServer, count: int, max_tokens: int = 8, concurrency: int = 32) -> list:
+    async def send():
+        client = LoadClient(server.url, str(server.config.model))
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(i):
+            async with limit:
+                return await client.complete("burst", f"Request {i}: how many blocks?", max_tokens)
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(count)))
+        finally:
+            await client.close()
+
+    sent = asyncio.run(send())
+    assert all(s.status == 200 for s in sent)
+    return sent
+
+
+def _helpers_of(engine_pid: int) -> list[psutil.Process]:
+    """The helper processes of one EngineCore (no children of it: they are reparented)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "otel_kvcache.helper" in cmdline and cmdline[-1] == str(engine_pid):
+            found.append(process)
+    return found
+
+
+def _has_exited(pid: int) -> bool:
+    """Gone, or a zombie (this machine's init does not reap orphans)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _latest_total(sink: OTLPSink, metric_name: str, engine_pid: int) -> int:
+    """A cumulative counter's latest value from one process, summed over its attribute sets."""
+    latest: dict[tuple, tuple[int, int]] = {}
+    for resource, metric in sink.metrics(metric_name):
+        if resource.get("process.pid") != engine_pid:
+            continue
+        for point in metric.sum.data_points:
+            key = tuple(sorted((k, str(v)) for k, v in attributes_of(point.attributes).items()))
+            if key not in latest or point.time_unix_nano >= latest[key][0]:
+                latest[key] = (point.time_unix_nano, point.as_int)
+    return sum(value for _, value in latest.values())
+
+
+def test_sigint_right_after_a_burst_loses_no_kv_span(tiny_model, sink, tmp_path):
+    server = _serve(tiny_model, sink, tmp_path)
+    try:
+        sent = _burst(server, 60)
+    finally:
+        server.stop(settle=0)  # SIGINT at once, then whatever is left in its session is killed
+    trace_ids = [s.trace_id for s in sent]
+    arrived = wait_for(lambda: len(kv_spans(sink, trace_ids)) == len(sent) and kv_spans(sink, trace_ids), timeout=20)
+    assert len(arrived) == len(sent)
+    tokens = {s.trace_id: s.usage["completion_tokens"] for s in sent}
+    assert all(attributes_of(span.attributes)[names.OUTPUT_TOKENS] == tokens[span.trace_id.hex()]
+               for _, span in arrived)
+
+
+def test_a_killed_helper_is_replaced_and_the_drop_counter_equals_what_was_lost(tiny_model, sink, tmp_path):
+    server = _serve(tiny_model, sink, tmp_path)
+    try:
+        sent = _burst(server, 20)
+        [(resource, _)] = wait_for(lambda: kv_spans(sink, [sent[0].trace_id]))
+        engine_pid = resource["process.pid"]
+        [helper] = _helpers_of(engine_pid)
+
+        async def load_with_a_kill():
+            client = LoadClient(server.url, str(server.config.model))
+            try:
+                during = [asyncio.ensure_future(client.complete("during", f"Story {i}", 40)) for i in range(24)]
+                await asyncio.sleep(0.5)
+                helper.kill()  # while requests run and finish
+                return await asyncio.gather(*during)
+            finally:
+                await client.close()
+
+        during = asyncio.run(load_with_a_kill())
+        assert all(s.status == 200 for s in during)  # serving went on
+        after = _burst(server, 20)
+        trace_ids = [s.trace_id for s in sent + during + after]
+        # Spans arrive again from a new helper, within seconds.
+        wait_for(lambda: len(kv_spans(sink, [s.trace_id for s in after])) == len(after), timeout=20)
+        [replacement] = _helpers_of(engine_pid)
+        assert replacement.pid != helper.pid and _has_exited(helper.pid)
+
+        def accounted():
+            arrived = len(kv_spans(sink, trace_ids))
+            dropped = _latest_total(sink, names.TELEMETRY_DROPPED, engine_pid)
+            return (arrived + dropped == len(trace_ids)) and (arrived, dropped)
+
+        arrived, dropped = wait_for(accounted, timeout=20)
+    finally:
+        server.stop()
+    # Every request either has its span or is counted: the counter equals what was lost.
+    assert arrived == len(trace_ids) - dropped
+
+
+def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp_path):
+    """The engine ends as vLLM's shutdown ends it (SIGKILL), leaving its helper frames it
+    cannot deliver (each export retries for 30 s): the helper gives up at its deadline,
+    says so, and does not outlive the engine by more."""
+    from otel_kvcache.helper import SHUTDOWN_SECONDS
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]
+        from conftest import Telemetry
+        from engine_harness import EngineHarness, make_model_config, make_scheduler
+        from otel_kvcache import VLLMKVCacheInstrumentor
+
+        VLLMKVCacheInstrumentor().instrument(meter_provider=Telemetry().meter_provider)
+        engine = EngineHarness(make_scheduler(make_model_config({str(tmp_path)!r}), num_blocks=64))
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        for wave in range(3):  # three frames, one after another
+            for i in range(4):
+                engine.add(engine.make_request(f"w{{wave}}-{{i}}", prompt_len=40, max_tokens=4))
+            engine.run()
+            time.sleep(1)
+        while exporter.helper_pid is None:
+            exporter.flush()
+            time.sleep(0.05)
+        print(f"helper={{exporter.helper_pid}}", flush=True)
+        os.kill(os.getpid(), 9)
+        """
+    )
+    environment = {
+        **os.environ,
+        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "30",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+    }
+    # The helper inherits the engine's stderr: a file, so that nothing here waits for the helper.
+    with open(tmp_path / "stderr.log", "w") as stderr:
+        engine = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, timeout=300, env=environment)
+    killed_at = time.monotonic()
+    assert engine.returncode == -signal.SIGKILL, (tmp_path / "stderr.log").read_text()
+    [helper_pid] = [int(word.split("=")[1]) for word in engine.stdout.split() if word.startswith("helper=")]
+    assert not _has_exited(helper_pid), "the helper went with its engine: nothing could drain"
+    while not _has_exited(helper_pid) and time.monotonic() - killed_at < SHUTDOWN_SECONDS + 10:
+        time.sleep(0.2)
+    assert _has_exited(helper_pid)
+    assert time.monotonic() - killed_at > SHUTDOWN_SECONDS - 1  # it did try, for the time it had
+    assert "gives up" in (tmp_path / "stderr.log").read_text()

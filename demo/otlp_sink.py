@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -42,8 +43,12 @@ def to_otlp_json(message) -> dict:
 class OTLPSink:
     """Receives traces, metrics and logs on ``127.0.0.1:<port>``."""
 
-    def __init__(self, directory: str | Path | None = None, port: int = 0, refuse: bool = False) -> None:
+    def __init__(
+        self, directory: str | Path | None = None, port: int = 0, refuse: bool = False, trace_delay: float = 0.0
+    ) -> None:
         self.directory = Path(directory) if directory else None
+        self.trace_delay = trace_delay
+        """Seconds each trace export takes to answer (a slow or distant collector)."""
         self.refuse = refuse
         """Answer every export with PERMISSION_DENIED (not retried), keeping nothing."""
         self.refused = 0
@@ -126,6 +131,8 @@ def _servicer(base: type, kind: str, response: type) -> type:
             self.sink = sink
 
         def Export(self, request, context):  # noqa: N802 - the gRPC method name
+            if kind == "traces" and self.sink.trace_delay:
+                time.sleep(self.sink.trace_delay)
             if self.sink.refuse:
                 self.sink._refused(request)
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, "this sink refuses everything")

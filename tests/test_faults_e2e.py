@@ -86,14 +86,21 @@ def _latest_total(sink: OTLPSink, metric_name: str, engine_pid: int) -> int:
     return sum(value for _, value in latest.values())
 
 
-def test_sigint_right_after_a_burst_loses_no_kv_span(tiny_model, sink, tmp_path):
-    server = _serve(tiny_model, sink, tmp_path)
+def test_sigint_right_after_a_burst_loses_no_kv_span(tiny_model, tmp_path):
+    """A collector that takes a second to answer each export: when vLLM's shutdown kills
+    the EngineCore's process tree, the helper is still sending the burst's spans."""
+    sink = OTLPSink(trace_delay=1.0).start()
     try:
-        sent = _burst(server, 60)
+        server = _serve(tiny_model, sink, tmp_path)
+        try:
+            sent = _burst(server, 60)
+        finally:
+            server.stop(settle=0)  # SIGINT at once, then whatever is left in its session is killed
+        trace_ids = [s.trace_id for s in sent]
+        arrived = wait_for(lambda: len(kv_spans(sink, trace_ids)) == len(sent) and kv_spans(sink, trace_ids),
+                           timeout=20)
     finally:
-        server.stop(settle=0)  # SIGINT at once, then whatever is left in its session is killed
-    trace_ids = [s.trace_id for s in sent]
-    arrived = wait_for(lambda: len(kv_spans(sink, trace_ids)) == len(sent) and kv_spans(sink, trace_ids), timeout=20)
+        sink.stop()
     assert len(arrived) == len(sent)
     tokens = {s.trace_id: s.usage["completion_tokens"] for s in sent}
     assert all(attributes_of(span.attributes)[names.OUTPUT_TOKENS] == tokens[span.trace_id.hex()]

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -199,3 +200,49 @@ def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp
     assert _has_exited(helper_pid)
     assert time.monotonic() - killed_at > SHUTDOWN_SECONDS - 1  # it did try, for the time it had
     assert "gives up" in (tmp_path / "stderr.log").read_text()
+
+
+def test_vllms_first_process_waits_for_the_helpers_at_its_exit(tmp_path):
+    """In a container, the main process's exit kills every process left: the first
+    process (here one that runs its engine in-process, as ``LLM`` can) exits only once
+    its helper has exported what it was handed, through a collector that is slow."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]
+        from conftest import Telemetry
+        from engine_harness import EngineHarness, make_model_config, make_scheduler
+        from otel_kvcache import VLLMKVCacheInstrumentor
+
+        VLLMKVCacheInstrumentor().instrument(meter_provider=Telemetry().meter_provider)
+        engine = EngineHarness(make_scheduler(make_model_config({str(tmp_path)!r}), num_blocks=64))
+        for i in range(6):
+            engine.add(engine.make_request(f"r{{i}}", prompt_len=40, max_tokens=4))
+        engine.run()
+        print(f"helper={{engine.scheduler._otel_kvcache_engine.exporter.helper_pid}}", flush=True)
+        """
+    )
+    sink = OTLPSink(trace_delay=2.0).start()
+    environment = {
+        **os.environ,
+        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+    }
+    try:
+        with open(tmp_path / "stderr.log", "w") as stderr:
+            first = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr,
+                                   text=True, timeout=300, env=environment)
+        assert first.returncode == 0, (tmp_path / "stderr.log").read_text()
+        # By the time the first process is gone, the helper has delivered and exited.
+        received = [s for _, s in sink.spans() if s.name == names.KV_REQUEST_SPAN]
+        pids = [int(w.split("=")[1]) for w in first.stdout.split() if w.startswith("helper=") and w[7:] != "None"]
+    finally:
+        sink.stop()
+    assert len(received) == 6
+    assert all(_has_exited(pid) for pid in pids)
+    assert not [path for path in os.listdir(tempfile.gettempdir()) if path.endswith(f"-{os.getpid()}.lock")]

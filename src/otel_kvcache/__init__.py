@@ -49,10 +49,12 @@ from otel_kvcache import config
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import RequestExporter, RequestHistograms
 from otel_kvcache.hooks import LazyPatcher
+from otel_kvcache.drain import wait_for_helpers_at_exit
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.package import _instruments, _instruments_any
 from otel_kvcache.patch import build_wrappers
+from otel_kvcache.resource import handed_down_attributes
 from otel_kvcache.version import __version__
 from otel_kvcache.vllm_compat import HOOK_POINTS
 
@@ -81,6 +83,8 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
         instruments = KVCacheInstruments(meter)
         errors = InstrumentationErrors(instruments.errors)
         if _exports_from_a_helper_process(given_providers=kwargs.get("tracer_provider") is not None):
+            if not handed_down_attributes():  # vLLM's first process: its engines' helpers outlive them
+                wait_for_helpers_at_exit()
 
             def exporter_for():
                 from opentelemetry.sdk.resources import PROCESS_PID

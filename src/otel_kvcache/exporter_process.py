@@ -53,6 +53,7 @@ from itertools import repeat
 from typing import Any, BinaryIO, Iterator
 
 from otel_kvcache import names
+from otel_kvcache.drain import shared_lock
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import Finding, RequestEnded
 from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE
@@ -137,14 +138,20 @@ class ExporterProcess:
     # --- the helper ---------------------------------------------------------------
 
     def _start_helper(self) -> None:
-        self._launcher = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=self._environment,
-            close_fds=True,
-            start_new_session=True,  # not in the engine's process group: a Ctrl-C is not for it
-        )
+        lock = shared_lock()  # vLLM's first process waits, at its exit, while the helper holds it
+        try:
+            self._launcher = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self._environment,
+                close_fds=True,
+                pass_fds=() if lock is None else (lock,),
+                start_new_session=True,  # not in the engine's process group: a Ctrl-C is not for it
+            )
+        finally:
+            if lock is not None:
+                os.close(lock)  # the helper's copy keeps the lock
         self._fd = self._launcher.stdin.fileno()
         self._acks_fd = self._launcher.stdout.fileno()
         os.set_blocking(self._fd, False)

@@ -179,7 +179,7 @@ class ExporterProcess:
             pass
         *lines, self._acks = self._acks.split(b"\n")
         if lines:
-            self.helper_pid, self._done, self._failed = map(int, lines[-1].split())
+            self.helper_pid, self._done, self._failed = map(int, lines[-1].split())  # each is cumulative
             if self._failed > self._failed_counted:
                 self._drop(self._failed - self._failed_counted, names.STAGE_EXPORT)
                 self._failed_counted = self._failed

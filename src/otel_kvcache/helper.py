@@ -202,7 +202,11 @@ def _export_frames(
 
 def main(argv: list[str]) -> int:
     engine_pid = int(argv[1])
-    acks = _Acknowledgements(sys.stdout.fileno())
+    # The acknowledgements keep the pipe; what anything else prints (a console exporter) is discarded.
+    acks = _Acknowledgements(os.dup(sys.stdout.fileno()))
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
     acks.send(0, 0)  # tells the engine this process's pid
     stdin_closed, progress = threading.Event(), _Progress()
     threading.Thread(

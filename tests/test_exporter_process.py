@@ -246,10 +246,14 @@ def _settled(exporter: ExporterProcess, timeout: float = 30) -> None:
     assert exporter.in_flight == 0
 
 
-def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(model_config, helper_exports_to):
-    """SIGKILL of the helper while it holds records (stopped, so it holds them for sure):
-    vLLM runs on, the engine notices, counts exactly those records, and a new helper
-    exports what comes next."""
+@pytest.mark.parametrize(("pipe_bytes", "lost_count"), [(None, 7), (4096, 40)], ids=["whole-frame", "frame-in-part"])
+def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
+    model_config, helper_exports_to, pipe_bytes, lost_count
+):
+    """SIGKILL of the helper while it holds records (stopped, so it holds them for sure),
+    or while a frame is half in its pipe (a page-sized pipe): vLLM runs on, the engine
+    notices, counts exactly those records, and a new helper exports what comes next."""
+    import fcntl
     import signal
 
     from engine_harness import EngineHarness, make_scheduler
@@ -272,8 +276,13 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(model_con
         _settled(exporter)
         first_helper = helper_pid(exporter)
         os.kill(first_helper, signal.SIGSTOP)
-        lost = wave("lost", 7)
-        assert exporter.in_flight == len(lost)
+        if pipe_bytes:
+            fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, pipe_bytes)
+        lost = wave("lost", lost_count)
+        if pipe_bytes:
+            assert exporter._frames and exporter._frames[0].started  # written in part
+        else:
+            assert exporter.in_flight == len(lost)
         os.kill(first_helper, signal.SIGKILL)
         noticed_by = time.monotonic() + 1.0  # one flush interval of a busy engine
         while exporter.helper_pid == first_helper and time.monotonic() < noticed_by:

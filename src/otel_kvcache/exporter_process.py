@@ -99,11 +99,13 @@ class TelemetryLost(RuntimeError):
 class _Frame:
     """A frame not yet wholly written to the helper: its bytes left and its records."""
 
-    __slots__ = ("unwritten", "records")
+    __slots__ = ("unwritten", "records", "started")
 
     def __init__(self, size: int, records: int) -> None:
         self.unwritten = size
         self.records = records
+        self.started = False
+        """Written in part: a helper that dies now has half of it, the next would get garbage."""
 
 
 class ExporterProcess:
@@ -197,7 +199,7 @@ class ExporterProcess:
         helper (unless too many died lately) for the frames not yet written."""
         self._read_acknowledgements()  # its last words
         lost = self._sent - self._done
-        if self._frames and self._frames[0].unwritten < len(self._outgoing):  # a frame written in part
+        if self._frames and self._frames[0].started:
             partial = self._frames.popleft()
             del self._outgoing[: partial.unwritten]
             lost += partial.records
@@ -212,20 +214,27 @@ class ExporterProcess:
         now = time.monotonic()
         self._deaths = [t for t in self._deaths if now - t < DEATHS_WINDOW_SECONDS] + [now]
         if len(self._deaths) >= MAX_DEATHS:
-            self._gave_up = True
-            _logger.error(
-                "otel-kvcache: the span helper process died %d times within %.0f s; this engine "
-                "starts no more, and counts its requests' spans as dropped (%s)",
-                len(self._deaths),
-                DEATHS_WINDOW_SECONDS,
-                names.TELEMETRY_DROPPED,
-            )
-            self._drop(sum(frame.records for frame in self._frames), names.STAGE_HELPER_DIED)
-            self._frames.clear()
-            self._outgoing.clear()
+            self._give_up(f"died {len(self._deaths)} times within {DEATHS_WINDOW_SECONDS:.0f} s")
             return
         _logger.warning("otel-kvcache: the span helper process died; starting a new one (%d records lost)", lost)
-        self._start_helper()
+        try:
+            self._start_helper()
+        except OSError as exc:  # no process could be started (out of memory, of descriptors)
+            self._give_up(f"died and could not be started again ({exc})")
+
+    def _give_up(self, why: str) -> None:
+        self._gave_up = True
+        _logger.error(
+            "otel-kvcache: the span helper process %s; this engine starts no more, and counts its "
+            "requests' spans as dropped (%s)",
+            why,
+            names.TELEMETRY_DROPPED,
+        )
+        unsent = sum(frame.records for frame in self._frames)
+        if unsent:
+            self._drop(unsent, names.STAGE_HELPER_DIED)
+        self._frames.clear()
+        self._outgoing.clear()
 
     # --- the hand-over -----------------------------------------------------------
 
@@ -302,8 +311,9 @@ class ExporterProcess:
         while frames and written >= frames[0].unwritten:
             written -= frames[0].unwritten
             self._sent += frames.popleft().records
-        if frames:
+        if frames and written:
             frames[0].unwritten -= written
+            frames[0].started = True
 
     def _drop(self, count: int, stage: str) -> None:
         self.dropped += count

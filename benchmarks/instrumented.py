@@ -25,9 +25,9 @@ EMPTIED_METHODS = {
 
 def instrument(export_interval_millis: int = 5_000, helper_exports: bool = True):
     """As under ``opentelemetry-instrument``: spans and request histograms built by
-    the helper process, whose SDK comes from the environment (batch span
-    processor and periodic metric reader into console exporters, whose output the
-    helper discards); the engine process keeps the observable instruments, read
+    the helper process, whose SDK comes from the environment (spans exported a
+    frame at a time and a periodic metric reader, into console exporters, whose
+    output the helper discards); the engine process keeps the observable instruments, read
     by a periodic reader into an exporter that discards."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import (

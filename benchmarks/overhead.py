@@ -10,9 +10,9 @@ and then the README's table. The variants:
 
 - ``base``: uninstrumented, vLLM's ``log_stats`` on (its default when serving);
 - ``otel``: instrumented as under ``opentelemetry-instrument``: every request
-  traced; spans and request histograms built by the helper process (batch span
-  processor and periodic metric reader into console exporters whose output it
-  discards), whose CPU time is reported apart; the pool's instruments read by a
+  traced; spans and request histograms built by the helper process (spans
+  exported a frame at a time and a periodic metric reader, into console
+  exporters whose output it discards), whose CPU time is reported apart; the pool's instruments read by a
   periodic metric reader in the engine process;
 - ``base-again``: a second uninstrumented process, for the A/A spread;
 - anchors on decode-heavy: ``log_stats`` off, and vLLM's ``--kv-cache-metrics``

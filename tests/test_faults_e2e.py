@@ -88,10 +88,11 @@ def _latest_total(sink: OTLPSink, metric_name: str, engine_pid: int) -> int:
     return sum(value for _, value in latest.values())
 
 
+@pytest.mark.serving
 def test_sigint_right_after_a_burst_loses_no_kv_span(tiny_model, tmp_path):
-    """A collector that takes a second to answer each export: when vLLM's shutdown kills
-    the EngineCore's process tree, the helper is still sending the burst's spans."""
-    sink = OTLPSink(trace_delay=1.0).start()
+    """A collector that takes half a second to answer each export: when vLLM's shutdown
+    kills the EngineCore's process tree, the helper is still sending the burst's spans."""
+    sink = OTLPSink(trace_delay=0.5).start()
     try:
         server = _serve(tiny_model, sink, tmp_path)
         try:
@@ -100,7 +101,7 @@ def test_sigint_right_after_a_burst_loses_no_kv_span(tiny_model, tmp_path):
             server.stop(settle=0)  # SIGINT at once, then whatever is left in its session is killed
         trace_ids = [s.trace_id for s in sent]
         arrived = wait_for(lambda: len(kv_spans(sink, trace_ids)) == len(sent) and kv_spans(sink, trace_ids),
-                           timeout=20)
+                           timeout=30)
     finally:
         sink.stop()
     assert len(arrived) == len(sent)
@@ -109,6 +110,7 @@ def test_sigint_right_after_a_burst_loses_no_kv_span(tiny_model, tmp_path):
                for _, span in arrived)
 
 
+@pytest.mark.serving
 def test_a_killed_helper_is_replaced_and_the_drop_counter_equals_what_was_lost(tiny_model, sink, tmp_path):
     server = _serve(tiny_model, sink, tmp_path)
     try:

@@ -27,8 +27,9 @@ def _current(point: HookPoint):
 
 
 def _run_python(code: str, *prefix: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # vLLM's own logging goes to stdout (some releases warn at import); left to Python's, it goes to stderr.
     environment = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
-                   "OTEL_LOGS_EXPORTER": "none", **(env or {})}
+                   "OTEL_LOGS_EXPORTER": "none", "VLLM_CONFIGURE_LOGGING": "0", **(env or {})}
     return subprocess.run(
         [*prefix, sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True, text=True, timeout=300, env=environment,

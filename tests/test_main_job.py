@@ -7,7 +7,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+
+# The main job builds and serves with the default environment (.venv), whatever runs the tests.
+pytestmark = [pytest.mark.serving, pytest.mark.main_job]
 
 
 def _spans_in(traces_jsonl: Path) -> dict[str, dict]:

@@ -28,7 +28,11 @@ from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.pool import PoolTracker
-from otel_kvcache.propagation import attach_trace_context_wrapper, remember_trace_headers_wrapper
+from otel_kvcache.propagation import (
+    attach_trace_context_wrapper,
+    recover_trace_headers_wrapper,
+    remember_trace_headers_wrapper,
+)
 from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.signatures import method_like
 
@@ -155,5 +159,6 @@ def build_wrappers(
         "reset_prefix_cache": lambda hook: _after_result(hook, errors, Engine.on_prefix_cache_reset),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
+        "recover_trace_headers": lambda hook: recover_trace_headers_wrapper(hook, errors),
         "name_child_process": lambda hook: name_child_process_wrapper(hook, errors),
     }

@@ -7,6 +7,11 @@ request's own coroutine, on the ``EngineCoreRequest`` that travels to the
 engine: there we write the context into its ``trace_headers``. The context is
 the current span (the HTTP server span, when FastAPI instrumentation runs),
 else the incoming ``traceparent`` that ``add_request`` was given.
+
+vLLM 0.30 and 0.31 drop the headers earlier, in the serving layer's
+``_get_trace_headers``, which returns None unless tracing is on: there we keep
+the caller's context ourselves (``recover_trace_headers_wrapper``), and vLLM's
+own answer stays as it was.
 """
 
 from __future__ import annotations
@@ -32,11 +37,31 @@ def remember_trace_headers_wrapper():
     """``AsyncLLM.add_request``: keep its ``trace_headers`` for the rest of the call."""
 
     async def wrapper(wrapped, instance, args, kwargs):
-        token = _incoming_trace_headers.set(kwargs.get("trace_headers"))
+        # On 0.30/0.31 vLLM passes None here; the context kept from the HTTP headers stays.
+        token = _incoming_trace_headers.set(kwargs.get("trace_headers") or _incoming_trace_headers.get())
         try:
             return await wrapped(*args, **kwargs)
         finally:
             _incoming_trace_headers.reset(token)
+
+    return wrapper
+
+
+def recover_trace_headers_wrapper(hook: str, errors: InstrumentationErrors):
+    """vLLM 0.30/0.31's ``_get_trace_headers(headers)``: when vLLM keeps none (tracing off),
+    keep the caller's ``traceparent`` / ``tracestate`` for the rest of the request's task."""
+
+    async def wrapper(wrapped, instance, args, kwargs):
+        result = await wrapped(*args, **kwargs)
+        if result is None:
+            try:
+                headers = first_argument(args, kwargs, "headers")
+                kept = {k: v for k in _TRACE_CONTEXT.fields if (v := headers.get(k)) is not None}
+                if kept:
+                    _incoming_trace_headers.set(kept)  # in the request's own task, as awaited
+            except Exception as exc:  # noqa: BLE001
+                errors.record(hook, exc)
+        return result
 
     return wrapper
 

@@ -14,7 +14,9 @@ import wrapt
 
 from otel_kvcache import VLLMKVCacheInstrumentor
 from otel_kvcache.hooks import LazyPatcher
-from otel_kvcache.vllm_compat import HOOK_POINTS, HookPoint
+from otel_kvcache.vllm_compat import HookPoint, hook_points_of
+
+HOOK_POINTS = hook_points_of()  # those of the installed vLLM
 
 
 # The console script of the environment running the tests, activated or not.

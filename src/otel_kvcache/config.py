@@ -34,6 +34,11 @@ DEVICE_METRICS = "OTEL_KVCACHE_GPU_DEVICE_METRICS"
 process vLLM did not start), ``always``, ``never``."""
 DEVICE_METRICS_CHOICES = ("auto", "always", "never")
 
+VLLM_PLUGIN = "OTEL_KVCACHE_VLLM_PLUGIN"
+"""The ``vllm.general_plugins`` entry point: ``auto`` (default: set up telemetry when an
+``OTEL_*`` variable names an exporter or an endpoint), ``on``, ``off``."""
+VLLM_PLUGIN_CHOICES = ("auto", "on", "off")
+
 WARNED_SETTINGS = "OTEL_KVCACHE_WARNED_SETTINGS"
 """JSON list of ``VARIABLE=value`` already warned about in this vLLM instance."""
 
@@ -58,9 +63,13 @@ def device_metrics() -> str:
     return env_choice(DEVICE_METRICS, DEVICE_METRICS_CHOICES)
 
 
+def vllm_plugin() -> str:
+    return env_choice(VLLM_PLUGIN, VLLM_PLUGIN_CHOICES)
+
+
 def check_all() -> None:
     """Reads every setting, warning (once per vLLM instance) about each bad one."""
-    for read in (reconcile_seconds, zombie_grace_seconds, stuck_steps, exporter_process, device_metrics):
+    for read in (reconcile_seconds, zombie_grace_seconds, stuck_steps, exporter_process, device_metrics, vllm_plugin):
         read()
 
 

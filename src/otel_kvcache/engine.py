@@ -70,6 +70,7 @@ from otel_kvcache.vllm_compat import (
     kv_bytes_per_block,
     may_hold_null_blocks,
     request_being_scheduled,
+    resumed_request_ids,
     statuses_waiting_for_blocks,
 )
 
@@ -174,7 +175,7 @@ class EngineTelemetry:
         what its allocations popped off the free queue; chores when due."""
         for new_request in output.scheduled_new_reqs:
             self._admitted(new_request.req_id)
-        for request_id in output.scheduled_cached_reqs.resumed_req_ids:
+        for request_id in resumed_request_ids(output):
             self._admitted(request_id)
         attempt = self.last_attempt
         if attempt is not None:

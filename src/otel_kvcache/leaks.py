@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from otel_kvcache import config, names
 from otel_kvcache.export import Finding, event_attributes, log_in_trace
 from otel_kvcache.record import PROGRESS_STEP, PROGRESS_TOKENS
-from otel_kvcache.vllm_compat import real_blocks, running_status
+from otel_kvcache.vllm_compat import blocks_by_request, deferred_frees, real_blocks, running_status
 
 if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
@@ -65,7 +65,7 @@ class Reconciler:
         self.grace_seconds = config.zombie_grace_seconds()
         self.stuck_steps = config.stuck_steps()
         self.report = LeakReport()
-        self._deferred_frees = scheduler.deferred_frees
+        self._deferred_frees = deferred_frees(scheduler)
         self._running = running_status()
         self._holding_since: dict[str, float] = {}
         self._reported: set[tuple[str, str]] = set()  # (kind, request id) already told
@@ -88,7 +88,7 @@ class Reconciler:
         accounted = 0  # block references held by requests and deferred frees
         slack = 0
         for manager, with_null_blocks in engine._type_managers:
-            for request_id, blocks in manager.req_to_blocks.items():
+            for request_id, blocks in blocks_by_request(manager).items():
                 held = real_blocks(blocks, with_null_blocks)
                 if held:
                     accounted += held

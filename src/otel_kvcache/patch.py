@@ -19,11 +19,13 @@ Two shapes, by the hook point's ``hot`` flag:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
+from otel_kvcache import names
 from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.instruments import KVCacheInstruments
@@ -35,6 +37,10 @@ from otel_kvcache.propagation import (
 )
 from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.signatures import method_like
+from otel_kvcache.version import __version__
+from otel_kvcache.vllm_compat import describe_installed, free_queue, internals
+
+_vllm_log = logging.getLogger("vllm.otel_kvcache")
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue."""
@@ -128,10 +134,19 @@ def scheduler_init_wrapper(
         if not is_instrumentation_enabled():
             return
         try:
+            if internals.core_missing():  # each reported once, by name, with the version
+                return
             engine = EngineTelemetry(instance, exporter_for(), instruments, errors)
             manager = instance.kv_cache_manager
-            for owner in (instance, manager, manager.block_pool, manager.block_pool.free_block_queue):
+            for owner in (instance, manager, manager.block_pool, free_queue(manager.block_pool)):
                 setattr(owner, ENGINE_ATTRIBUTE, engine)
+            # In vLLM's own log (its logger's handler), where an operator looks at start-up.
+            _vllm_log.info(
+                "otel-kvcache %s: KV telemetry on for engine %s; %s",
+                __version__,
+                engine.attributes[names.ENGINE_INDEX],
+                describe_installed(),
+            )
         except Exception as exc:  # noqa: BLE001
             errors.record(hook, exc)
 

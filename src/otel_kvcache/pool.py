@@ -56,7 +56,7 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
-from otel_kvcache.vllm_compat import block_hash_reader
+from otel_kvcache.vllm_compat import block_hash_reader, free_queue, pool_size, usable_blocks
 
 # A run: [queued, live, cached_at, unindexed]: entries still in vLLM's free queue,
 # those of them still cached (the rest are dead), when they were freed, and how many
@@ -120,10 +120,8 @@ class PoolTracker:
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
-        self.queue = pool.free_block_queue
-        # vLLM reserves block 0 as a placeholder ("null block") that is never
-        # handed out, so it is not part of the usable pool.
-        self.limit = pool.num_gpu_blocks - 1
+        self.queue = free_queue(pool)
+        self.limit = usable_blocks(pool)
         self.evictions = 0
         self.eviction_age_sum = 0.0
         self.eviction_age_max = 0.0
@@ -144,7 +142,7 @@ class PoolTracker:
         # Block id -> its run, for the runs indexed so far (always the oldest ones);
         # entries of runs gone (spares, perhaps reused) are stale but never read: a free
         # block with a hash is in the latest run that holds it, indexed before any read.
-        self._run_of: list[list | None] = [None] * self.pool.num_gpu_blocks
+        self._run_of: list[list | None] = [None] * pool_size(self.pool)
         # The blocks of the runs not yet indexed (always the newest ones), in queue order.
         self._unindexed: list = cached
         self.cached = self._queued = len(cached)

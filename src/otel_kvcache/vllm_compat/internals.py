@@ -12,6 +12,7 @@ it is switched off.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from functools import lru_cache
 from typing import NamedTuple
@@ -89,7 +90,8 @@ def is_present(internal: Internal) -> bool:
         return callable(getattr(owner, internal.name, None))
     if internal.kind == "field":
         return internal.name in getattr(owner, "__dataclass_fields__", {}) or internal.name in _slots(owner)
-    code = getattr(getattr(owner, internal.where, None), "__code__", None)
+    method = getattr(owner, internal.where, None)
+    code = getattr(inspect.unwrap(method), "__code__", None) if method is not None else None  # vLLM's, not a wrapper
     if code is None:
         return False
     # An attribute __init__ assigns is among its code's names; a local, among its variables.

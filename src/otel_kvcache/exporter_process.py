@@ -19,7 +19,7 @@ without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
   frame's records are dropped;
 - ``helper_died``: records written to a helper that then died before it
   acknowledged them (it writes ``pid done failed`` lines back on its stdout
-  after each frame), and those a dead helper that is not replaced would get;
+  after each batch of frames), and those a dead helper that is not replaced would get;
 - ``export``: spans the helper's exporter refused or failed to send, as the
   helper acknowledged them.
 
@@ -50,7 +50,7 @@ import subprocess
 import sys
 import time
 from itertools import repeat
-from typing import Any, BinaryIO, Iterator
+from typing import Any, Iterator
 
 from otel_kvcache import names
 from otel_kvcache.drain import shared_lock
@@ -362,21 +362,42 @@ def _with_plain_headers(fields: list) -> list:
     return fields
 
 
-def read_frames(stream: BinaryIO) -> Iterator[list]:
-    """Each frame's records, as the engine wrote them, until the pipe closes (``helper.py``)."""
-    while True:
-        header = stream.read(_FRAME_HEADER.size)
-        if len(header) < _FRAME_HEADER.size:
-            return
-        (length,) = _FRAME_HEADER.unpack(header)
-        frame = stream.read(length)
-        if len(frame) < length:
-            return
-        buffer, records = io.BytesIO(frame), []
-        while buffer.tell() < length:
-            record = marshal.load(buffer)
+def read_batches(fd: int) -> Iterator[list]:
+    """The records of every whole frame the engine has written by now, a batch at a time,
+    until the pipe closes (``helper.py``). An engine that goes idle after each request
+    hands over a frame per request: read together, they make one export, not one each
+    (through a collector that takes half a second an export, 60 of them outlasted the
+    helper's deadline)."""
+    buffer = bytearray()
+    open_ = True
+    while open_:
+        chunk = os.read(fd, PIPE_BYTES)  # waits for the engine
+        open_ = bool(chunk)
+        buffer += chunk
+        while open_ and select.select([fd], [], [], 0)[0]:  # and whatever else is there already
+            chunk = os.read(fd, PIPE_BYTES)
+            open_ = bool(chunk)
+            buffer += chunk
+        records, taken = _whole_frames(buffer)
+        del buffer[:taken]
+        if records:
+            yield records
+
+
+def _whole_frames(buffer: bytearray) -> tuple[list, int]:
+    """The records of the whole frames at the start of ``buffer``, and their bytes."""
+    records, position = [], 0
+    while len(buffer) - position >= _FRAME_HEADER.size:
+        (length,) = _FRAME_HEADER.unpack_from(buffer, position)
+        end = position + _FRAME_HEADER.size + length
+        if end > len(buffer):
+            break
+        frame = io.BytesIO(buffer[position + _FRAME_HEADER.size : end])
+        while frame.tell() < length:
+            record = marshal.load(frame)
             if type(record) is list:  # finished requests' fields, one after another
                 records.extend(record[start : start + _FIELDS] for start in range(0, len(record), _FIELDS))
             else:  # a finding
                 records.append(record)
-        yield records
+        position = end
+    return records, position

@@ -10,11 +10,12 @@ or at the latest ``SHUTDOWN_SECONDS`` after the engine process ended, whatever
 the collector does.
 
 It builds spans with its own tracer provider (the configured provider's
-resource and sampler) and exports them itself, a frame at a time, with the
+resource and sampler) and exports them itself, all the frames the engine has
+written by then at a time, with the
 exporters ``OTEL_TRACES_EXPORTER`` names, rather than through a batch span
 processor whose queue drops without telling anyone. So it knows what reached
 the exporter and what did not, and tells the engine on its stdout after each
-frame: ``pid records-done spans-failed``, cumulative. The engine counts what
+batch: ``pid records-done spans-failed``, cumulative. The engine counts what
 a dead helper took with it from that (``otel_kvcache.telemetry.dropped``).
 
 The histograms and the finding logs go through the SDK configured from the
@@ -36,14 +37,15 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_kvcache import names
 from otel_kvcache.export import Finding, RequestExporter, RequestHistograms
-from otel_kvcache.exporter_process import read_frames
+from otel_kvcache.exporter_process import read_batches
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.version import __version__
 
 _logger = logging.getLogger(__name__)
 
-SHUTDOWN_SECONDS = 10.0
-"""After the engine is gone: the most time left to export what it handed over."""
+SHUTDOWN_SECONDS = 20.0
+"""After the engine is gone: the most time left to export what it handed over (one OTLP
+export alone may take the exporter's timeout, 10 s by default; Kubernetes gives a pod 30 s)."""
 EXPORT_BATCH = 512
 """Spans per export call (the batch span processor's default batch)."""
 
@@ -182,10 +184,10 @@ def _configured_exporter() -> tuple[RequestExporter, SpanPipeline]:
     return RequestExporter(pipeline.tracer, histograms), pipeline
 
 
-def _export_frames(
-    frames: Iterator[list], exporter: RequestExporter, pipeline: SpanPipeline, acks, progress: _Progress
+def _export_batches(
+    batches: Iterator[list], exporter: RequestExporter, pipeline: SpanPipeline, acks, progress: _Progress
 ) -> None:
-    for records in frames:
+    for records in batches:
         progress.taken += len(records)
         for record in records:
             try:
@@ -216,7 +218,7 @@ def main(argv: list[str]) -> int:
         daemon=True,
     ).start()
     exporter, pipeline = _configured_exporter()
-    _export_frames(read_frames(sys.stdin.buffer), exporter, pipeline, acks, progress)
+    _export_batches(read_batches(sys.stdin.fileno()), exporter, pipeline, acks, progress)
     stdin_closed.set()  # the deadline runs from now
     pipeline.shutdown()
     # The SDK's providers (histograms, logs) flush and shut down at exit.

@@ -77,7 +77,8 @@ class LazyPatcher:
             if point.applies_to(installed):
                 self._by_module.setdefault(point.module, []).append(point)
         self._factories = factories
-        self._patched: list[tuple[type, str, object]] = []
+        self._patched: list[tuple[type, str, object, object]] = []
+        """(owner, method, what was there, ours) for each hook point patched."""
         self._active = False
 
     def start(self) -> None:

@@ -1,10 +1,11 @@
 """The main job: serve a tiny model under `opentelemetry-instrument`, load it, read the telemetry back.
 
-    python -m demo [--short] [--out DIR]
+    scripts/demo.sh [--short] [--out DIR] [--num-blocks N]
 
-Spans and metrics go to OTLP JSON files in ``DIR/otlp`` through a local OTLP
-receiver, unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set: then they go to that
-collector, and the report is left to your backend.
+``scripts/demo.sh`` builds the environment first if it needs to, then runs
+``python -m demo``. Spans and metrics go to OTLP JSON files in ``DIR/otlp``
+through a local OTLP receiver, unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set:
+then they go to that collector, and the report is left to your backend.
 """
 
 from __future__ import annotations
@@ -22,11 +23,31 @@ from rich.console import Console
 from demo.load import LoadShape, run_load
 from demo.otlp_sink import OTLPSink
 from demo.report import format_summary, format_table, kv_spans, pool_summary, request_rows
-from demo.server import ServerConfig, VLLMServer, requests_ended_on_their_own
+from demo.server import (
+    EXCLUDE_ASGI_SPANS,
+    EXCLUDED_ASGI_SPANS,
+    ServerConfig,
+    VLLMServer,
+    requests_ended_on_their_own,
+)
 from demo.tiny_model import make_tiny_model
 from otel_kvcache import gate
 
 SHORT_LOAD = LoadShape(chats=4, turns=3, chat_max_tokens=96, burst=4, burst_max_tokens=16, streams=2)
+
+DESCRIPTION = """\
+The main job: makes a tiny random-weight llama, serves it with vLLM's OpenAI
+server on the CPU under opentelemetry-instrument, loads it (requests sharing one
+system prompt, multi-turn chats, streaming clients that leave mid-answer), then
+prints each request's KV span, the pool's metrics and the leak gate's verdict.
+scripts/demo.sh builds the environment (.venv) first if it needs to."""
+
+EPILOG = f"""\
+environment:
+  OTEL_EXPORTER_OTLP_ENDPOINT        send the telemetry to this collector
+                                     instead of OUT/otlp (then no report)
+  {EXCLUDE_ASGI_SPANS}  ASGI spans FastAPI's instrumentation
+                                     leaves out (default here: {EXCLUDED_ASGI_SPANS})"""
 
 
 class Progress:
@@ -46,11 +67,27 @@ class Progress:
         self.console.print(f"  · {text}")
 
 
+def aborted(count: int) -> str:
+    """The requests vLLM's engine did not end: aborted when their clients left."""
+    if count == 0:
+        return "none was aborted: every streaming client's request ended in the engine first"
+    if count == 1:
+        return "the other one was aborted when its client left"
+    return f"the other {count} were aborted when their clients left"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("out"), help="where the model, logs and OTLP files go")
-    parser.add_argument("--short", action="store_true", help="a shorter load (as CI runs it)")
-    parser.add_argument("--num-blocks", type=int, default=64, help="KV pool size in blocks of 32 tokens")
+    parser = argparse.ArgumentParser(
+        prog="scripts/demo.sh",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, default=Path("out"), metavar="DIR",
+                        help="where the model, logs and OTLP files go (default: out)")
+    parser.add_argument("--short", action="store_true", help="a shorter load, as CI runs it")
+    parser.add_argument("--num-blocks", type=int, default=64, metavar="N",
+                        help="KV pool size in blocks of 32 tokens (default: 64)")
     args = parser.parse_args(argv)
     progress = Progress()
     collector = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -69,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         with progress.step(f"starting vLLM (CPU) under opentelemetry-instrument, {args.num_blocks - 1}-block KV pool"):
             server.start()
         progress.note(f"server {server.url}, telemetry to {endpoint}")
+        progress.note(f"{EXCLUDE_ASGI_SPANS}={server.environment()[EXCLUDE_ASGI_SPANS]}")
         with progress.step("running the load through the OpenAI API"):
             sent = asyncio.run(run_load(server.url, str(model), shape, progress=progress.note))
         # vLLM's own view, to read the table against: which requests its engine ended.
@@ -97,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     ended = ", ".join(f"{reason} {count}" for reason, count in sorted(ended_in_engine.items()))
     print(f"vLLM's /metrics, requests its engine ended (vllm:request_success_total): {ended or 'none'};")
-    print(f"  the other {len(sent) - sum(ended_in_engine.values())} were aborted when their clients left")
+    print(f"  {aborted(len(sent) - sum(ended_in_engine.values()))}")
     print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
     print(f"leak gate (otel-kvcache-gate --otlp-dir {otlp}):")
     leaks = gate.main(["--otlp-dir", str(otlp)])

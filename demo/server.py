@@ -14,6 +14,14 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+EXCLUDE_ASGI_SPANS = "OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS"
+"""Which of the ASGI ``send`` and ``receive`` spans FastAPI's instrumentation leaves out:
+its ``exclude_spans`` option, set from this variable by otel-kvcache's distro (FastAPI's
+instrumentation reads no variable for it).
+A streamed answer otherwise makes one ``http send`` span per chunk, enough to overflow
+the SDK's span queue and lose the HTTP spans that KV spans hang under."""
+EXCLUDED_ASGI_SPANS = "send,receive"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -82,6 +90,8 @@ class VLLMServer:
             "OTEL_LOGS_EXPORTER": "none",
             **self.config.extra_env,
         }
+        # One span per HTTP request, as the README recommends to users who stream.
+        env.setdefault(EXCLUDE_ASGI_SPANS, EXCLUDED_ASGI_SPANS)
         if self.config.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.config.otlp_endpoint
             env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"

@@ -1,4 +1,5 @@
-"""README command 1 runs to completion, and the table it prints is what the OTLP files hold."""
+"""README command 1 runs to completion, the table it prints is what the OTLP files hold,
+and every KV span keeps its HTTP request's server span as parent."""
 
 from __future__ import annotations
 
@@ -15,26 +16,42 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.serving, pytest.mark.main_job]
 
 
+def _all_spans(traces_jsonl: Path) -> list[dict]:
+    """Every span in an OTLP JSON lines file, read independently."""
+    return [
+        span
+        for line in traces_jsonl.read_text().splitlines()
+        for resource_spans in json.loads(line)["resourceSpans"]
+        for scope_spans in resource_spans["scopeSpans"]
+        for span in scope_spans["spans"]
+    ]
+
+
+def _attributes(span: dict) -> dict:
+    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
 def _spans_in(traces_jsonl: Path) -> dict[str, dict]:
     """request id -> attributes of the KV spans in an OTLP JSON lines file, read independently."""
-    spans = {}
-    for line in traces_jsonl.read_text().splitlines():
-        for resource_spans in json.loads(line)["resourceSpans"]:
-            for scope_spans in resource_spans["scopeSpans"]:
-                for span in scope_spans["spans"]:
-                    if span["name"] == "vllm.kv_cache.request":
-                        attrs = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
-                        spans[attrs["vllm.request.id"]] = attrs
-    return spans
+    kv = (_attributes(span) for span in _all_spans(traces_jsonl) if span["name"] == "vllm.kv_cache.request")
+    return {attrs["vllm.request.id"]: attrs for attrs in kv}
 
 
-def test_readme_command_1_prints_the_exported_spans(tmp_path):
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One run of ``scripts/demo.sh --short`` for the module: its result and its ``--out``."""
+    out = tmp_path_factory.mktemp("main-job")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     result = subprocess.run(
-        [str(REPO / "scripts" / "demo.sh"), "--short", "--out", str(tmp_path)],
+        [str(REPO / "scripts" / "demo.sh"), "--short", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
-    )
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return result, out
+
+
+def test_readme_command_1_prints_the_exported_spans(main_job):
+    result, out = main_job
 
     lines = result.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("request id")) + 2
@@ -42,7 +59,7 @@ def test_readme_command_1_prints_the_exported_spans(tmp_path):
     # request id, scenario (words), prompt, prefix hit, peak blocks, preempted, finish
     table = {r[0]: (int(r[-5]), int(r[-4]), int(r[-3]), int(r[-2]), r[-1]) for r in rows}
 
-    spans = _spans_in(tmp_path / "otlp" / "traces.jsonl")
+    spans = _spans_in(out / "otlp" / "traces.jsonl")
     assert set(table) == set(spans)
     for request_id, attrs in spans.items():
         assert table[request_id] == (
@@ -63,5 +80,31 @@ def test_readme_command_1_prints_the_exported_spans(tmp_path):
     }
     left = [row for row in rows if row[-1] not in ended_in_engine]
     assert all(row[-1] == "abort" and " ".join(row[1:-5]) == "client disconnects" for row in left), left
+    aborted = lines[lines.index(counted) + 1].strip()
+    assert aborted == {
+        0: "none was aborted: every streaming client's request ended in the engine first",
+        1: "the other one was aborted when its client left",
+    }.get(len(left), f"the other {len(left)} were aborted when their clients left")
     assert "peak used blocks" in result.stdout
     assert "starting vLLM" in result.stderr  # the progress display
+
+
+def test_readme_command_1_keeps_every_kv_span_under_its_http_span(main_job):
+    """The main job leaves out the ASGI send and receive spans (one per streamed chunk
+    otherwise, enough to overflow the SDK's span queue and lose HTTP spans), so each KV
+    span's parent, the API server's span for its HTTP request, is exported."""
+    result, out = main_job
+    assert "OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS=send,receive" in result.stderr
+
+    spans = _all_spans(out / "otlp" / "traces.jsonl")
+    asgi_events = [s["name"] for s in spans if s["name"].endswith((" http send", " http receive"))]
+    assert not asgi_events, f"{len(asgi_events)} ASGI send/receive spans exported, e.g. {asgi_events[:3]}"
+    by_id = {(s["traceId"], s["spanId"]): s for s in spans}
+    kv = [s for s in spans if s["name"] == "vllm.kv_cache.request"]
+    assert kv
+    for span in kv:
+        parent = by_id.get((span["traceId"], span.get("parentSpanId", "")))
+        request_id = _attributes(span)["vllm.request.id"]
+        assert parent is not None, f"{request_id}: parent {span.get('parentSpanId')} not exported"
+        assert parent["kind"] == "SPAN_KIND_SERVER", (request_id, parent["name"], parent["kind"])
+        assert parent["name"].startswith("POST /v1/"), (request_id, parent["name"])

@@ -1,0 +1,195 @@
+"""The README against the code: its configuration table is every setting with the default the
+code uses, its reference tables use the names module's names, and its links (and the design
+page's) lead to files."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.resources import SERVICE_NAME
+
+from otel_kvcache import config, drain, names, resource
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PACKAGE = ROOT / "src" / "otel_kvcache"
+PREFIX = "OTEL_KVCACHE_"
+
+INTERNAL = {
+    config.WARNED_SETTINGS: "the bad values already warned about, passed down to vLLM's child processes",
+    resource.PROCESS_ENVIRONMENT_VARIABLE: "a child process's role, set by the parent that starts it",
+    drain.LOCK_VARIABLE: "the lock file through which the first process waits for the span helpers",
+}
+"""otel-kvcache's own notes to vLLM's child processes: set by the package, never by a user."""
+
+METRIC_DOCSTRING = re.compile(
+    r"^(Observable gauge|Observable counter|Counter|Histogram)\b|Also an?\s+(observable\s+)?counter"
+)
+"""How ``names.py`` documents a metric's constant (some span attributes are also counters)."""
+
+
+def section(title: str) -> str:
+    """The README's text under the heading ``## title``, up to the next heading of that level."""
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """Every markdown table in ``text``, as its body rows of cells (header and rule left out)."""
+    found, rows = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+        elif rows:
+            found.append(rows[2:])
+            rows = []
+    return found
+
+
+def code_spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def configuration_table() -> dict[str, list[str]]:
+    """The first table under "Configuration": variable -> its row's cells."""
+    rows = tables(section("Configuration"))[0]
+    documented = {code_spans(row[0])[0]: row for row in rows}
+    assert len(documented) == len(rows), "a setting is in the configuration table twice"
+    return documented
+
+
+def documented_default(variable: str) -> str:
+    """The default column of ``variable``'s row, without its backticks."""
+    row = configuration_table().get(variable)
+    assert row, f"{variable} is not in the README's configuration table"
+    [default] = code_spans(row[1])
+    return default
+
+
+def defined_in_config() -> set[str]:
+    return {value for value in vars(config).values() if isinstance(value, str) and value.startswith(PREFIX)}
+
+
+def named_in_the_package() -> set[str]:
+    """Every ``OTEL_KVCACHE_*`` name written anywhere in the package's source."""
+    return {name for path in PACKAGE.rglob("*.py") for name in re.findall(rf"\b{PREFIX}[A-Z0-9_]+", path.read_text())}
+
+
+def accessor(variable: str):
+    """The function of ``config`` that reads ``variable``: the one whose code names its constant."""
+    constants = {name for name, value in vars(config).items() if value == variable}
+    readers = [
+        function
+        for name, function in inspect.getmembers(config, inspect.isfunction)
+        if function.__module__ == config.__name__
+        and not name.startswith("_")
+        and not inspect.signature(function).parameters
+        and constants & set(function.__code__.co_names)
+    ]
+    assert len(readers) == 1, f"{variable}: expected one accessor in config.py, found {readers}"
+    return readers[0]
+
+
+def matches(documented: str, value: object) -> bool:
+    """A default as the table writes it (`5`, `auto`) against the value the code returns."""
+    if isinstance(value, (int, float)):
+        try:
+            return float(documented) == value
+        except ValueError:
+            return False
+    return documented == value
+
+
+def test_the_configuration_table_is_every_setting_and_nothing_else():
+    settings = (defined_in_config() | named_in_the_package()) - set(INTERNAL)
+    assert set(configuration_table()) == settings
+    assert set(INTERNAL) <= named_in_the_package(), "an internal variable the package no longer uses"
+    text = section("Configuration")
+    assert [variable for variable in INTERNAL if f"`{variable}`" not in text] == [], "say that these are not settings"
+
+
+@pytest.mark.parametrize("variable", sorted(defined_in_config() - set(INTERNAL)))
+def test_the_table_gives_the_default_the_code_uses(monkeypatch, variable):
+    monkeypatch.delenv(variable, raising=False)
+    default = accessor(variable)()
+    documented = documented_default(variable)
+    assert matches(documented, default), f"{variable}: the README says {documented!r}, the code uses {default!r}"
+
+
+@pytest.mark.parametrize("variable", sorted(defined_in_config() - set(INTERNAL)))
+def test_a_bad_value_is_named_and_replaced_by_that_default(monkeypatch, caplog, variable):
+    monkeypatch.setenv(config.WARNED_SETTINGS, "[]")
+    monkeypatch.setenv(variable, "not-a-value")
+    with caplog.at_level(logging.WARNING, logger=config.__name__):
+        used = accessor(variable)()
+    assert matches(documented_default(variable), used)
+    assert [record.getMessage() for record in caplog.records if variable in record.getMessage()], "no warning named it"
+
+
+def test_every_choice_of_a_setting_is_in_its_row():
+    choices = {
+        variable: vars(config)[name + "_CHOICES"]
+        for name, variable in vars(config).items()
+        if isinstance(variable, str) and variable.startswith(PREFIX) and name + "_CHOICES" in vars(config)
+    }
+    rows = configuration_table()
+    missing = {
+        variable: [choice for choice in options if f"`{choice}`" not in " ".join(rows.get(variable, []))]
+        for variable, options in choices.items()
+    }
+    assert {variable: left for variable, left in missing.items() if left} == {}
+
+
+def reference_names() -> list[str]:
+    """The names in the first column of every table under "What you get"."""
+    return [name for table in tables(section("What you get")) for row in table for name in code_spans(row[0])]
+
+
+def metric_names() -> set[str]:
+    """The constants of ``names.py`` whose docstring says they name a metric."""
+    body = ast.parse(Path(names.__file__).read_text()).body
+    found = set()
+    for statement, after in zip(body, body[1:]):
+        documented = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        if isinstance(statement, ast.AnnAssign) and documented and METRIC_DOCSTRING.search(after.value.value):
+            found.add(getattr(names, statement.target.id))
+    return found
+
+
+def test_the_reference_tables_use_the_names_module():
+    defined = {value for value in vars(names).values() if isinstance(value, str)} | {SERVICE_NAME}
+    assert [name for name in reference_names() if name not in defined] == []
+
+
+def test_every_metric_is_in_the_reference_tables():
+    assert len(metric_names()) > 20, "names.py's docstrings no longer say which constants are metrics"
+    assert sorted(metric_names() - set(reference_names())) == []
+
+
+def github_anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", [README, ROOT / "docs" / "design.md"], ids=lambda page: page.name)
+def test_every_relative_link_leads_to_a_file(page):
+    text = re.sub(r"(?ms)^\s*```.*?^\s*```", "", page.read_text())  # not inside code blocks
+    anchors = {github_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links, f"no links found in {page.name}"
+    broken = []
+    for link in links:
+        if re.match(r"[a-z]+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        if path and not (page.parent / path).exists():
+            broken.append(link)
+        elif not path and anchor not in anchors:
+            broken.append(link)
+    assert broken == []

@@ -145,29 +145,47 @@ def test_either_vllm_distribution_satisfies_the_dependency_check():
     assert VLLMKVCacheInstrumentor()._check_dependency_conflicts() is None
 
 
-def test_a_wrapper_forwards_every_kind_of_parameter_as_given():
-    from otel_kvcache.signatures import method_like
+def test_a_hot_wrapper_forwards_arguments_as_given_and_tracebacks_show_its_source():
+    import inspect
+    import traceback
+
+    from otel_kvcache.errors import InstrumentationErrors
+    from otel_kvcache.patch import ENGINE_ATTRIBUTE, _after_call, _around
 
     def original(self, a, /, b, *args, c, d=4, **kwargs):
+        if a == "fail":
+            raise KeyError("vLLM's own")
         return a, b, args, c, d, kwargs
 
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    errors = InstrumentationErrors(MeterProvider(metric_readers=[reader]).get_meter("t").create_counter("errors"))
     seen = []
-    body = "    note({first}, {arguments})\n    return original({self}, {arguments})\n"
-    names = {"original": original, "note": lambda *args, **kwargs: seen.append((args, kwargs))}
-    method = method_like(original, body, names)
-    assert method(None, 1, 2, 3, c=5, e=6) == (1, 2, (3,), 5, 4, {"e": 6})
-    assert method(None, 1, b=2, c=3, d=7) == (1, 2, (), 3, 7, {})
-    assert seen == [((1, 1, 2, 3), {"c": 5, "d": 4, "e": 6}), ((1, 1, 2), {"c": 3, "d": 7})]
+    method = _after_call("hook", errors, lambda engine, *args, **kwargs: seen.append((engine, args, kwargs)))(original)
+    instrumented = type("Owner", (), {ENGINE_ATTRIBUTE: "engine"})()
+    assert method(instrumented, 1, 2, 3, c=5, e=6) == (1, 2, (3,), 5, 4, {"e": 6})
+    assert method(instrumented, 1, b=2, c=3, d=7) == (1, 2, (), 3, 7, {})
+    assert inspect.signature(method) == inspect.signature(original)  # vLLM's call sites stay specialized
+    assert seen == [("engine", (1, 2, 3), {"c": 5, "d": 4, "e": 6}), ("engine", (1, 2), {"c": 3, "d": 7})]
+    assert method(object(), 1, 2, c=3) == (1, 2, (), 3, 4, {})  # built before instrument(): passes through
+    assert len(seen) == 2
 
-    def anything(*args, **kwargs):  # another tool's wrapper, without functools.wraps
-        return args, kwargs
+    with pytest.raises(KeyError, match="vLLM's own") as raised:
+        method(instrumented, "fail", 2, c=3)
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert [frame.name for frame in frames[-2:]] == ["method", "original"]
+    assert frames[-2].filename.endswith("patch.py") and "original(self, *args, **kwargs)" in frames[-2].line
 
-    method = method_like(anything, body, {**names, "original": anything})
-    assert method("instance", 1, k=2) == (("instance", 1), {"k": 2})
-    assert seen[-1] == ((1, 1), {"k": 2})
+    # vLLM may pass the request by keyword; the around-wrapper finds it by its name.
+    def preempt(self, request, timestamp):
+        return request, timestamp
 
-    def clashing(self, note):
-        return note
-
-    with pytest.raises(TypeError, match="clash"):
-        method_like(clashing, body, {**names, "original": clashing})
+    around = []
+    before = lambda engine, request: around.append(("before", request)) or "state"  # noqa: E731
+    after = lambda engine, request, state: around.append(("after", request, state))  # noqa: E731
+    method = _around("hook", errors, before, after)(preempt)
+    assert method(instrumented, timestamp=1.0, request="r") == ("r", 1.0)
+    assert around == [("before", "r"), ("after", "r", "state")]
+    assert reader.get_metrics_data() is None  # none of ours failed

@@ -42,6 +42,16 @@ def test_a_bad_setting_names_the_variable_and_the_value_used(monkeypatch, caplog
     assert "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS='half a minute'" in message and "using 30.0" in message
 
 
+def test_fastapi_exclude_spans_keeps_the_spans_it_knows_and_names_the_rest(monkeypatch, caplog):
+    monkeypatch.setenv(config.FASTAPI_EXCLUDE_SPANS, " Send, bodies ")
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        assert config.fastapi_exclude_spans() == ["send"]
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS=' Send, bodies '" in message and "using send" in message
+    monkeypatch.delenv(config.FASTAPI_EXCLUDE_SPANS)
+    assert config.fastapi_exclude_spans() == []
+
+
 def test_a_nan_interval_still_finds_an_injected_zombie(monkeypatch, make_engine, telemetry):
     """With ``nan`` the next pass was never due: a zombie went unreported while the engine was busy."""
     monkeypatch.setenv(config.RECONCILE_SECONDS, "nan")

@@ -39,6 +39,12 @@ VLLM_PLUGIN = "OTEL_KVCACHE_VLLM_PLUGIN"
 ``OTEL_*`` variable names an exporter or an endpoint), ``on``, ``off``."""
 VLLM_PLUGIN_CHOICES = ("auto", "on", "off")
 
+FASTAPI_EXCLUDE_SPANS = "OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS"
+"""Comma-separated ASGI spans FastAPI's instrumentation leaves out (``send``, ``receive``;
+default none): its ``exclude_spans`` option, which the distro and the plugin pass it.
+A streamed response makes one ``http send`` span per chunk without it."""
+FASTAPI_EXCLUDE_SPANS_CHOICES = ("send", "receive")
+
 WARNED_SETTINGS = "OTEL_KVCACHE_WARNED_SETTINGS"
 """JSON list of ``VARIABLE=value`` already warned about in this vLLM instance."""
 
@@ -67,9 +73,27 @@ def vllm_plugin() -> str:
     return env_choice(VLLM_PLUGIN, VLLM_PLUGIN_CHOICES)
 
 
+def fastapi_exclude_spans() -> list[str]:
+    raw = os.environ.get(FASTAPI_EXCLUDE_SPANS, "")
+    named = [part.strip().lower() for part in raw.split(",") if part.strip()]
+    excluded = [part for part in named if part in FASTAPI_EXCLUDE_SPANS_CHOICES]
+    if len(excluded) < len(named):
+        used = ",".join(excluded) or "none"
+        _warn_once(FASTAPI_EXCLUDE_SPANS, raw, f"names spans other than send, receive; using {used}")
+    return excluded
+
+
 def check_all() -> None:
     """Reads every setting, warning (once per vLLM instance) about each bad one."""
-    for read in (reconcile_seconds, zombie_grace_seconds, stuck_steps, exporter_process, device_metrics, vllm_plugin):
+    for read in (
+        reconcile_seconds,
+        zombie_grace_seconds,
+        stuck_steps,
+        exporter_process,
+        device_metrics,
+        vllm_plugin,
+        fastapi_exclude_spans,
+    ):
         read()
 
 

@@ -2,7 +2,10 @@
 
 The distro sets the same defaults as ``opentelemetry-distro`` (OTLP over gRPC
 for traces, metrics and logs) and enables the ``vllm`` resource detector;
-every default yields to a variable the user set.
+every default yields to a variable the user set. It also hands FastAPI's
+instrumentation the ASGI spans ``OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS`` names:
+that instrumentation takes them only as an argument, which
+``opentelemetry-instrument`` has no other way to pass.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_EXPERIMENTAL_RESOURCE_DETECTORS,
     OTEL_EXPORTER_OTLP_PROTOCOL,
 )
+
+from otel_kvcache import config
 
 RESOURCE_DETECTOR = "vllm"
 """Entry-point name of ``otel_kvcache.resource.VLLMResourceDetector``."""
@@ -32,3 +37,10 @@ class VLLMKVCacheDistro(BaseDistro):
         os.environ.setdefault(OTEL_LOGS_EXPORTER, "otlp")
         os.environ.setdefault(OTEL_EXPORTER_OTLP_PROTOCOL, "grpc")
         os.environ.setdefault(OTEL_EXPERIMENTAL_RESOURCE_DETECTORS, RESOURCE_DETECTOR)
+
+    def load_instrumentor(self, entry_point, **kwargs) -> None:
+        if entry_point.name == "fastapi" and "exclude_spans" not in kwargs:
+            excluded = config.fastapi_exclude_spans()
+            if excluded:
+                kwargs["exclude_spans"] = excluded
+        super().load_instrumentor(entry_point, **kwargs)

@@ -25,15 +25,9 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import context as otel_context
-
-# The key suppress_instrumentation() sets; read directly, as is_instrumentation_enabled()
-# costs five more Python calls (it also reads a legacy plain-string key) once per request.
-from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_current
-from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import names
 from otel_kvcache.record import (
@@ -59,7 +53,7 @@ from otel_kvcache.record import (
     count_period_hits,
 )
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.export import RequestExporter
+from otel_kvcache.export import RequestEnded, RequestExporter
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
@@ -76,16 +70,6 @@ from otel_kvcache.vllm_compat import (
 
 if TYPE_CHECKING:
     from otel_kvcache.exporter_process import ExporterProcess
-
-
-def current_context_getter() -> Callable[[], otel_context.Context]:
-    """``get_current``, or, under OpenTelemetry's default runtime context, the
-    ``ContextVar.get`` it ends in: two Python frames fewer per release (about a
-    microsecond in the loop, where their code is out of the CPU's caches)."""
-    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
-    if type(runtime) is ContextVarsRuntimeContext:
-        return runtime._current_context.get
-    return get_current
 
 
 class EngineTelemetry:
@@ -122,16 +106,17 @@ class EngineTelemetry:
         self.last_attempt: Any = None
         """The step's last admission attempt, the only one that can stall (set by its hook, ``patch.py``)."""
         self.pending_hits: dict[str, int] = {}  # prefix-hit tokens of admissions under way, by request id
-        self._type_managers = tuple(
+        self.type_managers = tuple(
             (type_manager, may_hold_null_blocks(type_manager))
             for type_manager in manager.coordinator.single_type_managers
         )
-        self.held_blocks = held_blocks_counter(self._type_managers)
+        """Each KV cache group's manager, and whether its block lists may hold the null block."""
+        self.held_blocks = held_blocks_counter(self.type_managers)
         """Blocks the KV manager holds for a request now, across all groups."""
-        self._scheduler_requests: dict[str, Any] = scheduler.requests
+        self.scheduler_requests: dict[str, Any] = scheduler.requests
+        """vLLM's own live requests, by id: those still ours to account for."""
         self._finish_reasons = finish_reasons_by_status()
         self._waiting_for_blocks = statuses_waiting_for_blocks()
-        self._current_context = current_context_getter()
         self._lookup_enabled = manager.prefix_cache_lookup_enabled
         self.reconciler = Reconciler(self, scheduler)
         self._chores_due = 0.0
@@ -160,6 +145,20 @@ class EngineTelemetry:
         record = self._blank_record[:]
         record[START_NS] = int(request.arrival_time * 1e9)
         return record
+
+    def forget_departed(self) -> None:
+        """Drops what we hold for requests that left the scheduler without a release
+        (a path a future vLLM may add), so that our state stays bounded."""
+        live = self.scheduler_requests
+        for request_id in [rid for rid in self.requests if rid not in live]:
+            del self.requests[request_id]
+            self.extra_events.pop(request_id, None)
+        for request_id in [rid for rid in self.pending_hits if rid not in live]:
+            del self.pending_hits[request_id]
+
+    def on_admission_attempt(self, request: Any) -> None:
+        """After ``_get_local_prefix_cache_hit``: the step's latest admission attempt."""
+        self.last_attempt = request
 
     def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
         """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
@@ -191,10 +190,7 @@ class EngineTelemetry:
     def _admitted(self, request_id: str) -> None:
         """An admission opens a period; its prefix hits count when the period closes
         (``record.close_admission_period``: at a preemption, or in the exporter)."""
-        record = self.requests.get(request_id)
-        if record is None:  # _record_of and _new_record, without their calls (once per admission)
-            record = self.requests[request_id] = self._blank_record[:]
-            record[START_NS] = int(self._scheduler_requests[request_id].arrival_time * 1e9)
+        record = self._record_of(self.scheduler_requests[request_id])
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
         held = self.held_blocks(request_id)
         if record[ADMITTED_NS] or record[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
@@ -259,12 +255,12 @@ class EngineTelemetry:
         events = self.extra_events.pop(request_id, None) if self.extra_events else None
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
-        if not self._current_context().get(_SUPPRESS_INSTRUMENTATION_KEY):
-            # export.RequestEnded's fields: strings, bytes, and objects that exist already
-            # (vLLM's headers, our attributes), so that what the exporter holds until its
-            # next flush adds no object the garbage collector counts (exporter_process.py).
+        if is_instrumentation_enabled():
+            # Strings, bytes, and objects that exist already (vLLM's headers, our
+            # attributes): what the exporter holds until its next flush adds no object
+            # the garbage collector tracks (exporter_process.py).
             self.exporter.request_ended(
-                (
+                RequestEnded(
                     request_id,
                     request.trace_headers,
                     self._finish_reasons[request.status],
@@ -273,7 +269,7 @@ class EngineTelemetry:
                     self._attribute_items,
                 )
             )
-        if not self._scheduler_requests:
+        if not self.scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): look now.
             self.pool.settle()
             self.reconciler.run()

@@ -2,10 +2,9 @@
 
 The engine thread never builds spans: building one through the SDK and
 recording three histograms costs tens of microseconds, as much as the whole
-budget of a scheduler step. At release it hands an exporter a plain tuple
-(``RequestEnded``'s fields: ids, the finish reason, the request's record as
-bytes, ``record.py``), which ``finished_request`` reads into a
-``FinishedRequest``:
+budget of a scheduler step. At release it hands an exporter a ``RequestEnded``
+(ids, the finish reason, the request's record as bytes, ``record.py``), which
+``finished_request`` reads into a ``FinishedRequest``:
 
 - ``RequestExporter`` builds the span and records the histograms where it is
   called. The engine uses it directly only when it was given its providers
@@ -87,7 +86,8 @@ class FinishedRequest(NamedTuple):
 
 
 class RequestEnded(NamedTuple):
-    """What the engine hands an exporter when a request ends, as a plain tuple in this order."""
+    """What the engine hands an exporter when a request ends: strings, bytes and
+    objects that exist already, which ``marshal`` writes in one call."""
 
     request_id: str
     trace_headers: Mapping[str, str] | None
@@ -101,8 +101,8 @@ class RequestEnded(NamedTuple):
     """As ``(name, value)`` pairs (a mapping also does)."""
 
 
-def finished_request(ended: tuple) -> FinishedRequest:
-    """A ``RequestEnded`` (or a plain tuple in its order) read back into a ``FinishedRequest``."""
+def finished_request(ended: RequestEnded) -> FinishedRequest:
+    """A ``RequestEnded`` read back into a ``FinishedRequest``."""
     request_id, trace_headers, finish_reason, record_bytes, more_events, engine_attributes = ended
     counts = array(record.TYPECODE, record_bytes)
     # The last admission period, closed here rather than on the engine thread.
@@ -171,8 +171,7 @@ class RequestExporter:
         self.histograms = histograms
         self.recently_ended: OrderedDict[str, SpanContext] = OrderedDict()
 
-    def request_ended(self, ended: tuple) -> None:
-        """``ended``: a ``RequestEnded``, or a plain tuple in its field order."""
+    def request_ended(self, ended: RequestEnded) -> None:
         finished = finished_request(ended)
         headers = finished.trace_headers
         span = self.tracer.start_span(

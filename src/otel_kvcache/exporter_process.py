@@ -362,8 +362,8 @@ def _with_plain_headers(fields: list) -> list:
     return fields
 
 
-def read_batches(fd: int) -> Iterator[list]:
-    """The records of every whole frame the engine has written by now, a batch at a time,
+def read_batches(fd: int) -> Iterator[list[RequestEnded | Finding]]:
+    """The records (``RequestEnded`` or ``Finding``) of every whole frame the engine has written by now, a batch at a time,
     until the pipe closes (``helper.py``). An engine that goes idle after each request
     hands over a frame per request: read together, they make one export, not one each
     (through a collector that takes half a second an export, 60 of them outlasted the
@@ -394,10 +394,12 @@ def _whole_frames(buffer: bytearray) -> tuple[list, int]:
             break
         frame = io.BytesIO(buffer[position + _FRAME_HEADER.size : end])
         while frame.tell() < length:
-            record = marshal.load(frame)
-            if type(record) is list:  # finished requests' fields, one after another
-                records.extend(record[start : start + _FIELDS] for start in range(0, len(record), _FIELDS))
-            else:  # a finding
-                records.append(record)
+            fields = marshal.load(frame)
+            if type(fields) is list:  # finished requests' fields, one after another
+                records.extend(
+                    RequestEnded._make(fields[start : start + _FIELDS]) for start in range(0, len(fields), _FIELDS)
+                )
+            else:  # a finding's fields
+                records.append(Finding._make(fields))
         position = end
     return records, position

@@ -191,8 +191,8 @@ def _export_batches(
         progress.taken += len(records)
         for record in records:
             try:
-                if len(record) == len(Finding._fields):
-                    exporter.finding(Finding._make(record))
+                if isinstance(record, Finding):
+                    exporter.finding(record)
                 else:
                     exporter.request_ended(record)
             except Exception:  # noqa: BLE001 - one bad record must not stop the others

@@ -25,7 +25,7 @@ reference, deferred frees) are never findings.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from otel_kvcache import config, names
@@ -53,8 +53,6 @@ class LeakReport:
     tail_slack_tokens: int = 0
     tail_slack_ratio: float = 0.0
     cached_blocks_hit_again: int = 0
-    zombies: list[str] = field(default_factory=list)
-    stuck: list[str] = field(default_factory=list)
 
 
 class Reconciler:
@@ -68,6 +66,7 @@ class Reconciler:
         self._deferred_frees = deferred_frees(scheduler)
         self._running = running_status()
         self._holding_since: dict[str, float] = {}
+        """Requests holding blocks while finished or gone, since they were first seen so."""
         self._reported: set[tuple[str, str]] = set()  # (kind, request id) already told
 
     def maybe_run(self, now: float) -> None:
@@ -76,18 +75,38 @@ class Reconciler:
 
     def run(self) -> LeakReport:
         now = time.monotonic()
-        report = self._reconcile(now)
+        self.report = self._reconcile(now)
         finished = time.monotonic()
         self.due = finished + (max(self.interval, (finished - now) / RECONCILE_BUDGET) if self.interval else 0.0)
-        return report
+        return self.report
 
     def _reconcile(self, now: float) -> LeakReport:
         engine = self.engine
-        live = engine._scheduler_requests
+        live = engine.scheduler_requests
+        holding, accounted = self._holdings()
+        zombie_requests, zombie_blocks = self._find_zombies(holding, live, now)
+        engine.forget_departed()
+        orphaned = max(engine.pool.references() - accounted, 0)
+        if orphaned:
+            self._tell_orphaned(orphaned)
+        slack = self._tail_slack(holding, live)
+        used = engine.pool.used_blocks()
+        return LeakReport(
+            orphaned_blocks=orphaned,
+            zombie_requests=zombie_requests,
+            zombie_blocks=zombie_blocks,
+            stuck_requests=self._find_stuck(live),
+            tail_slack_tokens=slack,
+            tail_slack_ratio=slack / (used * engine.block_size) if used else 0.0,
+            cached_blocks_hit_again=engine.pool.cached_blocks_hit_again(),
+        )
+
+    def _holdings(self) -> tuple[dict[str, int], int]:
+        """Blocks held per request id, as vLLM's KV managers list them, and the block
+        references that requests and deferred frees account for."""
         holding: dict[str, int] = {}
-        accounted = 0  # block references held by requests and deferred frees
-        slack = 0
-        for manager, with_null_blocks in engine._type_managers:
+        accounted = 0
+        for manager, with_null_blocks in self.engine.type_managers:
             for request_id, blocks in blocks_by_request(manager).items():
                 held = real_blocks(blocks, with_null_blocks)
                 if held:
@@ -95,65 +114,52 @@ class Reconciler:
                     holding[request_id] = holding.get(request_id, 0) + held
         for _, blocks in self._deferred_frees:
             accounted += real_blocks(blocks)
+        return holding, accounted
 
-        zombies, zombie_blocks = [], 0
+    def _find_zombies(self, holding: dict[str, int], live: dict[str, Any], now: float) -> tuple[int, int]:
+        """Requests holding blocks while finished or gone for longer than the grace
+        period: how many, and their blocks. Those that let go are forgotten."""
+        zombies = zombie_blocks = 0
         for request_id, held in holding.items():
             request = live.get(request_id)
             if request is not None and not request.is_finished():
-                slack += max(held * engine.block_size - request.num_computed_tokens, 0)
                 continue
             since = self._holding_since.setdefault(request_id, now)
             if now - since >= self.grace_seconds:
-                zombies.append(request_id)
+                zombies += 1
                 zombie_blocks += held
-                self._tell(
-                    names.EVENT_ZOMBIE,
-                    request_id,
-                    held,
-                    request_id,
-                    f"still holds {held} KV blocks {now - since:.0f} s after it finished",
-                )
+                message = f"still holds {held} KV blocks {now - since:.0f} s after it finished"
+                self._tell(names.EVENT_ZOMBIE, request_id, held, request_id, message)
         for request_id in [rid for rid in self._holding_since if rid not in holding]:
             del self._holding_since[request_id]
             self._reported.discard((names.EVENT_ZOMBIE, request_id))
+        return zombies, zombie_blocks
 
-        # Records of requests that left the scheduler without a release (a path a
-        # future vLLM may add): dropped, so our state stays bounded.
-        for request_id in [rid for rid in engine.requests if rid not in live]:
-            del engine.requests[request_id]
-            engine.extra_events.pop(request_id, None)
-        for request_id in [rid for rid in engine.pending_hits if rid not in live]:
-            del engine.pending_hits[request_id]
+    def _tail_slack(self, holding: dict[str, int], live: dict[str, Any]) -> int:
+        """Token slots allocated to running requests and not yet filled."""
+        block_size, slack = self.engine.block_size, 0
+        for request_id, held in holding.items():
+            request = live.get(request_id)
+            if request is not None and not request.is_finished():
+                slack += max(held * block_size - request.num_computed_tokens, 0)
+        return slack
 
-        pool = engine.pool
-        orphaned = max(pool.references() - accounted, 0)
-
-        stuck = self._find_stuck(live)
-        used = pool.used_blocks()
-        self.report = LeakReport(
-            orphaned_blocks=orphaned,
-            zombie_requests=len(zombies),
-            zombie_blocks=zombie_blocks,
-            stuck_requests=len(stuck),
-            tail_slack_tokens=slack,
-            tail_slack_ratio=slack / (used * engine.block_size) if used else 0.0,
-            cached_blocks_hit_again=pool.cached_blocks_hit_again(),
-            zombies=zombies,
-            stuck=stuck,
+    def _tell_orphaned(self, orphaned: int) -> None:
+        """Once per engine: orphaned blocks are a bug in vLLM or in us, not a request's."""
+        if ("orphaned", "") in self._reported:
+            return
+        self._reported.add(("orphaned", ""))
+        log_in_trace(
+            None,
+            "otel-kvcache: %d KV blocks on engine %s are referenced by no live request",
+            orphaned,
+            self.engine.attributes[names.ENGINE_INDEX],
         )
-        if orphaned and ("orphaned", "") not in self._reported:
-            self._reported.add(("orphaned", ""))
-            log_in_trace(
-                None,
-                "otel-kvcache: %d KV blocks on engine %s are referenced by no live request",
-                orphaned,
-                engine.attributes[names.ENGINE_INDEX],
-            )
-        return self.report
 
-    def _find_stuck(self, live: dict[str, Any]) -> list[str]:
+    def _find_stuck(self, live: dict[str, Any]) -> int:
+        """Running requests that computed no token for ``stuck_steps`` steps: how many."""
         engine, running = self.engine, self._running
-        stuck = []
+        stuck = 0
         for request_id, record in engine.requests.items():
             request = live.get(request_id)
             if request is None or request.status is not running:
@@ -162,7 +168,7 @@ class Reconciler:
             if request.num_computed_tokens != record[PROGRESS_TOKENS]:
                 record[PROGRESS_TOKENS], record[PROGRESS_STEP] = request.num_computed_tokens, engine.step
             elif engine.step - record[PROGRESS_STEP] >= self.stuck_steps:
-                stuck.append(request_id)
+                stuck += 1
                 idle = engine.step - record[PROGRESS_STEP]
                 held = engine.held_blocks(request_id)
                 self._tell(names.EVENT_STUCK, request_id, held, idle, f"has computed no token for {idle} steps")

@@ -7,14 +7,17 @@ no telemetry and pass straight through.
 
 Two shapes, by the hook point's ``hot`` flag:
 
-- hot (the engine loop's, up to dozens of calls a step): the factory returns a
-  *method builder*, ``build(original) -> method``; the method replaces
-  vLLM's on the class, has its exact parameters (``signatures.py``) and calls
-  ``original`` itself. One frame and one attribute lookup per call; our
-  functions are called directly (no bound method); suppression is asked per
-  request, at export.
+- hot (the engine loop's, a few calls a step): the factory returns a
+  *method builder*, ``build(original) -> method``; the method replaces vLLM's
+  on the class and calls ``original`` itself, a plain function that takes the
+  instance first (``hooks.as_vllm_calls_it``). Each is written as a closure
+  taking ``(self, *args, **kwargs)`` and given vLLM's exact parameters by
+  ``signatures.method_like``, so that vLLM's call sites stay specialized;
 - cold (start-up, the API server): a wrapt wrapper,
   ``wrapper(wrapped, instance, args, kwargs)``.
+
+Our functions get vLLM's arguments as vLLM passed them, so their parameters
+carry vLLM's names.
 """
 
 from __future__ import annotations
@@ -53,77 +56,88 @@ EngineMethod = Callable[..., Any]
 """An ``EngineTelemetry`` function, called with the engine first."""
 
 
-# Hot-path method bodies (``signatures.method_like`` gives them vLLM's parameters):
-# ``{self}``, ``{first}`` and ``{arguments}`` are the call's own, ``{engine}`` our
-# attribute. An attribute read costs less than ``getattr(..., None)``, a builtin call;
-# objects built before ``instrument()`` lack it and pass straight through.
-_OURS = """\
-    try:
-        engine = {self}.{engine}
-    except AttributeError:  # built before instrument(): no telemetry
-        pass
-    else:
-        try:
-            {ours}
-        except Exception as exc:  # ours, never vLLM's
-            errors.record(hook, exc)
-"""
-_AFTER = "    result = original({self}, {arguments})\n" + _OURS + "    return result\n"
-_BEFORE = _OURS + "    return original({self}, {arguments})\n"
-_AROUND = """\
-    try:
-        engine = {self}.{engine}
-    except AttributeError:  # built before instrument(): no telemetry
-        return original({self}, {arguments})
-    try:
-        state = before(engine, {first})
-    except Exception as exc:  # ours, never vLLM's
-        errors.record(hook, exc)
-        return original({self}, {arguments})
-    result = original({self}, {arguments})
-    try:
-        after(engine, {first}, state)
-    except Exception as exc:  # ours, never vLLM's
-        errors.record(hook, exc)
-    return result
-"""
-
-
-def _builder(body: str, hook: str, errors: InstrumentationErrors, **ours: Callable[..., Any]) -> MethodBuilder:
-    body = body.replace("{engine}", ENGINE_ATTRIBUTE)
+def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
+    """After vLLM's call, ``on_call(engine, <vLLM's arguments>)``."""
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        names = {"original": original, "errors": errors, "hook": hook, **ours}
-        return method_like(original, body, names)
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:  # None: built before instrument()
+                try:
+                    on_call(engine, *args, **kwargs)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.record(hook, exc)
+            return result
+
+        return method_like(original, method)
 
     return build
 
 
-def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
-    """After vLLM's call, ``on_call(engine, <vLLM's arguments>)``."""
-    return _builder(_AFTER.replace("{ours}", "on_call(engine, {arguments})"), hook, errors, on_call=on_call)
-
-
-def _remembering(hook: str, errors: InstrumentationErrors, attribute: str) -> MethodBuilder:
-    """After vLLM's call, ``engine.<attribute> = <vLLM's first argument>``, with no call of ours."""
-    return _builder(_AFTER.replace("{ours}", f"engine.{attribute} = {{first}}"), hook, errors)
-
-
 def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMethod) -> MethodBuilder:
     """After vLLM's call, ``on_result(engine, <vLLM's result>)``."""
-    return _builder(_AFTER.replace("{ours}", "on_result(engine, result)"), hook, errors, on_result=on_result)
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    on_result(engine, result)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.record(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
 
 
 def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
-    """Block-pool and free-queue hooks with nothing to do after vLLM's call:
+    """Block-pool and free-queue hooks, with nothing to do after vLLM's call:
     ``before(engine.pool, <vLLM's arguments>)``, a ``PoolTracker`` method."""
-    return _builder(_BEFORE.replace("{ours}", "before(engine.pool, {arguments})"), hook, errors, before=before)
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    before(engine.pool, *args, **kwargs)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.record(hook, exc)
+            return original(self, *args, **kwargs)
+
+        return method_like(original, method)
+
+    return build
 
 
 def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, after: EngineMethod) -> MethodBuilder:
-    """``before(engine, request)`` and ``after(engine, request, what before returned)``
-    around vLLM's call, given vLLM's request (its first argument)."""
-    return _builder(_AROUND, hook, errors, before=before, after=after)
+    """``state = before(engine, request)`` and ``after(engine, request, state)`` around
+    vLLM's call, given vLLM's request (the argument after the instance)."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is None:
+                return original(self, *args, **kwargs)
+            try:
+                first_argument = args[0]
+                state = before(engine, first_argument)
+            except Exception as exc:  # ours, never vLLM's
+                errors.record(hook, exc)
+                return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            try:
+                after(engine, first_argument, state)
+            except Exception as exc:  # ours, never vLLM's
+                errors.record(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
 
 
 def scheduler_init_wrapper(
@@ -164,7 +178,7 @@ def build_wrappers(
         "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
         "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
         "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),
-        "admission_attempt": lambda hook: _remembering(hook, errors, "last_attempt"),
+        "admission_attempt": lambda hook: _after_call(hook, errors, Engine.on_admission_attempt),
         "prefix_lookup": lambda hook: _after_call(hook, errors, Engine.on_prefix_cache_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, Pool.before_evicting),
         "queue_prepend": lambda hook: _tracking_pool(hook, errors, Pool.before_prepending),

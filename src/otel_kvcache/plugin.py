@@ -95,7 +95,7 @@ def _instrument_fastapi_apps_as_built() -> None:
             return
         if not getattr(instance, "_is_instrumented_by_opentelemetry", False):
             try:
-                FastAPIInstrumentor.instrument_app(instance)
+                FastAPIInstrumentor.instrument_app(instance, exclude_spans=config.fastapi_exclude_spans() or None)
             except Exception:  # noqa: BLE001 - the app works without its spans
                 _logger.warning("otel-kvcache: could not instrument a FastAPI app", exc_info=True)
 

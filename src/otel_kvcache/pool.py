@@ -58,10 +58,6 @@ from typing import Any, NamedTuple
 
 from otel_kvcache.vllm_compat import block_hash_reader, free_queue, pool_size, usable_blocks
 
-# A run: [queued, live, cached_at, unindexed]: entries still in vLLM's free queue,
-# those of them still cached (the rest are dead), when they were freed, and how many
-# of its blocks wait in ``_unindexed`` (0 once the run is indexed by block).
-QUEUED, LIVE, CACHED_AT, UNINDEXED = 0, 1, 2, 3
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64
 # Appended runs are indexed at once for this many appends after a take-back.
@@ -70,6 +66,26 @@ EAGER_APPENDS = 64
 SETTLE_SECONDS = 1.0
 _REF_CNT = attrgetter("ref_cnt")
 _BLOCK_ID = attrgetter("block_id")
+
+
+class Run:
+    """Blocks one ``append_n`` call put at the back of the free queue (see the module's docstring)."""
+
+    __slots__ = ("queued", "live", "cached_at", "unindexed")
+
+    def __init__(self) -> None:
+        self.queued = 0
+        """Its entries still in vLLM's free queue."""
+        self.live = 0
+        """Those of them still cached (the rest are dead)."""
+        self.cached_at = 0.0
+        """When its blocks were freed (``time.monotonic()``)."""
+        self.unindexed = 0
+        """How many of its blocks wait in ``PoolTracker._unindexed`` (0 once indexed by block)."""
+
+    def refill(self, queued: int, live: int, cached_at: float, unindexed: int) -> Run:
+        self.queued, self.live, self.cached_at, self.unindexed = queued, live, cached_at, unindexed
+        return self
 
 
 class PoolSnapshot(NamedTuple):
@@ -131,18 +147,20 @@ class PoolTracker:
         # void once the block holds another hash, i.e. was evicted since.
         self._hit: dict[int, Any] = {}
         self._pops, self._popped_at = array("q"), array("d")
-        self._spare_runs: list[list] = []
+        self._spare_runs: list[Run] = []
         self.due = time.monotonic() + SETTLE_SECONDS
         self._rebuild()
 
     def _rebuild(self) -> None:
         """The back part from a walk of the free queue (at start, and after a prefix-cache reset)."""
         cached = [block for block in self.queue.get_all_free_blocks() if block.block_hash is not None]
-        self._runs: deque[list] = deque([[len(cached), len(cached), time.monotonic(), len(cached)]] if cached else ())
+        self._runs: deque[Run] = deque()
+        if cached:
+            self._runs.append(Run().refill(len(cached), len(cached), time.monotonic(), len(cached)))
         # Block id -> its run, for the runs indexed so far (always the oldest ones);
         # entries of runs gone (spares, perhaps reused) are stale but never read: a free
         # block with a hash is in the latest run that holds it, indexed before any read.
-        self._run_of: list[list | None] = [None] * pool_size(self.pool)
+        self._run_of: list[Run | None] = [None] * pool_size(self.pool)
         # The blocks of the runs not yet indexed (always the newest ones), in queue order.
         self._unindexed: list = cached
         self.cached = self._queued = len(cached)
@@ -191,24 +209,24 @@ class PoolTracker:
         for count, popped_at in zip(self._pops, self._popped_at):
             while count and runs:
                 run = runs[0]
-                queued, live, cached_at, unindexed = run
+                queued, live = run.queued, run.live
                 if queued <= count:
                     spare_runs.append(runs.popleft())
                     count -= queued
-                    unindexed_gone += unindexed  # the first blocks of _unindexed: all runs are unindexed
+                    unindexed_gone += run.unindexed  # the first blocks of _unindexed: all runs are unindexed
                     if queued:
-                        run[QUEUED] = run[LIVE] = 0
+                        run.queued = run.live = 0
                     else:
                         self._empty_runs -= 1
                     taken = live
                 else:
                     dead = queued - live  # taken to go first
                     taken = count - dead if count > dead else 0
-                    run[QUEUED] = queued - count
-                    run[LIVE] = live - taken
+                    run.queued = queued - count
+                    run.live = live - taken
                     count = 0
                 if taken:
-                    age = popped_at - cached_at
+                    age = popped_at - run.cached_at
                     if age > oldest_age:
                         oldest_age = age
                     evicted += taken
@@ -239,15 +257,15 @@ class PoolTracker:
                 self._unpinning = False
                 live -= countOf(map(self._block_hash, blocks), None)
                 self._may_hold_dead = self._may_hold_dead or live < queued
-            run = self._spare_runs.pop() if self._spare_runs else [0, 0, 0.0, 0]
+            run = self._spare_runs.pop() if self._spare_runs else Run()
             if self._eager_appends:
                 self._eager_appends -= 1
-                run[:] = queued, live, time.monotonic(), 0
+                run.refill(queued, live, time.monotonic(), 0)
                 run_of = self._run_of
                 for block in blocks:
                     run_of[block.block_id] = run
             else:  # copied: vLLM drops its list after the call (see the module's docstring)
-                run[:] = queued, live, time.monotonic(), queued
+                run.refill(queued, live, time.monotonic(), queued)
                 self._unindexed += blocks
             self._runs.append(run)
             self._queued += queued
@@ -260,15 +278,15 @@ class PoolTracker:
             return
         new_runs = []
         for run in reversed(self._runs):
-            if not run[UNINDEXED]:
+            if not run.unindexed:
                 break
             new_runs.append(run)
         run_of, start = self._run_of, 0
         for run in reversed(new_runs):  # oldest first: a block popped and freed again is in the later run
-            end = start + run[UNINDEXED]
+            end = start + run.unindexed
             for block in blocks[start:end]:
                 run_of[block.block_id] = run
-            run[UNINDEXED] = 0
+            run.unindexed = 0
             start = end
         blocks.clear()
 
@@ -302,21 +320,21 @@ class PoolTracker:
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:  # null ones stand in for skipped blocks
                 run = run_of[block.block_id]
-                if run is not None and run[LIVE]:
+                if run is not None and run.live:
                     run_of[block.block_id] = None
-                    run[LIVE] -= 1
-                    run[QUEUED] -= 1
+                    run.live -= 1
+                    run.queued -= 1
                     self._queued -= 1
                     self.cached -= 1
-                    if not run[QUEUED]:
+                    if not run.queued:
                         self._run_emptied()
 
     def _run_emptied(self) -> None:
         """Prefix hits emptied a run inside the queue: drop such runs now and then."""
         self._empty_runs += 1
         if self._empty_runs > COMPACT_ABOVE and 2 * self._empty_runs > len(self._runs):
-            self._spare_runs.extend(run for run in self._runs if not run[QUEUED])
-            self._runs = deque(run for run in self._runs if run[QUEUED])
+            self._spare_runs.extend(run for run in self._runs if not run.queued)
+            self._runs = deque(run for run in self._runs if run.queued)
             self._empty_runs = 0
 
     def before_evicting(self, block_ids: Iterable[int]) -> None:
@@ -328,11 +346,11 @@ class PoolTracker:
         for block_id in block_ids:
             run = run_of[block_id]
             block = blocks[block_id]
-            if run is not None and run[LIVE] and block.ref_cnt == 0 and self._block_hash(block) is not None:
+            if run is not None and run.live and block.ref_cnt == 0 and self._block_hash(block) is not None:
                 run_of[block_id] = None
-                run[LIVE] -= 1
+                run.live -= 1
                 self._may_hold_dead = True
-                age = now - run[CACHED_AT]
+                age = now - run.cached_at
                 self._count_evictions(1, age, age)
 
     def on_reset(self) -> None:

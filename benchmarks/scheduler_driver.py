@@ -20,7 +20,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from tests.engine_harness import VOCAB_SIZE, make_model_config, make_scheduler
+from harness.scheduler import VOCAB_SIZE, make_model_config, make_scheduler
 
 BLOCK_SIZE = 16
 

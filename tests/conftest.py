@@ -54,7 +54,7 @@ def no_settings_warned_yet(monkeypatch):
 
 @pytest.fixture(scope="session")
 def model_config(tmp_path_factory):
-    from engine_harness import make_model_config
+    from harness.scheduler import make_model_config
 
     return make_model_config(str(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -79,13 +79,15 @@ def telemetry():
 @pytest.fixture
 def engine(model_config, telemetry):
     """An instrumented scheduler with a 64-block pool (63 usable), block size 16."""
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     return EngineHarness(make_scheduler(model_config, num_blocks=64))
 
 
 @pytest.fixture
 def make_engine(model_config, telemetry):
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     return lambda **kwargs: EngineHarness(make_scheduler(model_config, **kwargs))

@@ -60,7 +60,8 @@ def helper_exports_to(monkeypatch):
 
 
 def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_exports_to):
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     sink = helper_exports_to
     telemetry = Telemetry()  # the engine process keeps only the observable instruments
@@ -130,7 +131,8 @@ def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, help
     for the next request, or the exit)."""
     import time
 
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     sink = helper_exports_to
     instrumentor = VLLMKVCacheInstrumentor()
@@ -165,7 +167,8 @@ def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, help
     import fcntl
     import signal
 
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     from otel_kvcache import exporter_process
 
@@ -207,7 +210,8 @@ def test_a_finding_about_an_ended_request_joins_its_trace_from_the_helper(
 ):
     """vLLM keeps a finished request's blocks: the finding, made after its span was
     handed over, becomes a span under it, built in the helper too."""
-    from engine_harness import EngineHarness, break_free_for, make_scheduler
+    from engine_harness import EngineHarness, break_free_for
+    from harness.scheduler import make_scheduler
 
     monkeypatch.setenv("OTEL_KVCACHE_RECONCILE_SECONDS", "0")
     monkeypatch.setenv("OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS", "0")
@@ -266,7 +270,8 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
     import fcntl
     import signal
 
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     sink, telemetry = helper_exports_to, helper_telemetry
     engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
@@ -311,7 +316,8 @@ def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config,
     import logging
     import signal
 
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     from otel_kvcache.exporter_process import MAX_DEATHS
 
@@ -338,7 +344,8 @@ def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config,
 def test_an_exporter_that_refuses_everything_counts_every_span(model_config, monkeypatch):
     """A collector that answers every export with an error: each span the helper made
     is counted as dropped at the export stage, and only those."""
-    from engine_harness import EngineHarness, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
 
     refusing = OTLPSink(refuse=True).start()
     for variable, value in {

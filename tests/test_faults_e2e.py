@@ -163,7 +163,8 @@ def _engine_script(tmp_path, body: str) -> str:
         import os, sys, time
         sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]
         from conftest import Telemetry
-        from engine_harness import EngineHarness, make_model_config, make_scheduler
+        from engine_harness import EngineHarness
+        from harness.scheduler import make_model_config, make_scheduler
         from otel_kvcache import VLLMKVCacheInstrumentor
 
         VLLMKVCacheInstrumentor().instrument(meter_provider=Telemetry().meter_provider)

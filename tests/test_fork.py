@@ -31,7 +31,8 @@ CHILD_PROGRAM = textwrap.dedent(
     meter_provider = MeterProvider(metric_readers=[reader])
     VLLMKVCacheInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
-    from engine_harness import EngineHarness, make_model_config, make_scheduler
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_model_config, make_scheduler
     model_config = make_model_config(tempfile.mkdtemp())
     # The parent runs an engine first, so state exists before the fork.
     parent_engine = EngineHarness(make_scheduler(model_config, num_blocks=40))

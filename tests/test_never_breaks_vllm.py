@@ -12,7 +12,8 @@ from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.pool import PoolTracker
 
 from conftest import Telemetry
-from engine_harness import EngineHarness, busy_run_decisions, make_scheduler
+from engine_harness import EngineHarness, busy_run_decisions
+from harness.scheduler import make_scheduler
 
 
 def _instrumented(telemetry):

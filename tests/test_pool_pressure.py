@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from engine_harness import VOCAB_SIZE
+from harness.scheduler import VOCAB_SIZE
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 

@@ -1,0 +1,86 @@
+"""vLLM's real V1 Scheduler, built in-process for the tests and the benchmarks.
+
+One full-attention KV group over the demo's tiny llama config (vLLM reads the
+config only; no weights are loaded), so that the tests (``tests/engine_harness.py``)
+and the benchmarks (``benchmarks/scheduler_driver.py``) drive the same scheduler
+without importing each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.structured_output import StructuredOutputManager
+
+from demo.tiny_model import LLAMA_CONFIG
+
+VOCAB_SIZE = 1000
+MAX_MODEL_LEN = 2048
+
+# The demo's tiny llama: here vLLM only reads its config; no weights are loaded.
+TINY_LLAMA_CONFIG = {**LLAMA_CONFIG, "vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_MODEL_LEN}
+
+
+def make_model_config(directory: str) -> ModelConfig:
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA_CONFIG, f)
+    return ModelConfig(model=directory, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32")
+
+
+def make_scheduler(
+    model_config: ModelConfig,
+    num_blocks: int,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 4096,
+    enable_prefix_caching: bool = True,
+    data_parallel_rank: int = 0,
+    log_stats: bool = True,
+    kv_events: bool = True,
+    kv_cache_metrics_sample: float | None = None,
+) -> Scheduler:
+    """A real Scheduler on one full-attention KV group; ``kv_cache_metrics_sample``
+    turns on vLLM's own ``--kv-cache-metrics`` at that sample rate."""
+    observability = (
+        ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=kv_cache_metrics_sample)
+        if kv_cache_metrics_sample
+        else ObservabilityConfig()
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
+        observability_config=observability,
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    vllm_config.parallel_config.data_parallel_index = data_parallel_rank
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(TINY_LLAMA_CONFIG["num_hidden_layers"])]
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        # One layer-outermost tensor, as vLLM's get_kv_cache_configs lays out one group.
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * num_blocks * len(layers), layers=layers,
+                          layer_stride=page * num_blocks, block_stride=page)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=log_stats,
+    )

@@ -66,15 +66,16 @@ def configuration_table() -> dict[str, list[str]]:
 
 
 def documented_default(variable: str) -> str:
-    """The default column of ``variable``'s row, without its backticks."""
+    """The default column of ``variable``'s row, without its backticks (``none``: unset)."""
     row = configuration_table().get(variable)
     assert row, f"{variable} is not in the README's configuration table"
-    [default] = code_spans(row[1])
-    return default
+    return (code_spans(row[1]) or [row[1]])[0]
 
 
 def defined_in_config() -> set[str]:
-    return {value for value in vars(config).values() if isinstance(value, str) and value.startswith(PREFIX)}
+    """The environment variables ``config.py`` names: its module-level constants that are one."""
+    constants = vars(config).values()
+    return {value for value in constants if isinstance(value, str) and re.fullmatch(r"OTEL_[A-Z0-9_]+", value)}
 
 
 def named_in_the_package() -> set[str]:
@@ -98,7 +99,9 @@ def accessor(variable: str):
 
 
 def matches(documented: str, value: object) -> bool:
-    """A default as the table writes it (`5`, `auto`) against the value the code returns."""
+    """A default as the table writes it (`5`, `auto`, none) against the value the code returns."""
+    if isinstance(value, list):
+        return documented == (",".join(value) or "none")
     if isinstance(value, (int, float)):
         try:
             return float(documented) == value
@@ -137,7 +140,7 @@ def test_every_choice_of_a_setting_is_in_its_row():
     choices = {
         variable: vars(config)[name + "_CHOICES"]
         for name, variable in vars(config).items()
-        if isinstance(variable, str) and variable.startswith(PREFIX) and name + "_CHOICES" in vars(config)
+        if isinstance(variable, str) and variable in defined_in_config() and name + "_CHOICES" in vars(config)
     }
     rows = configuration_table()
     missing = {

@@ -5,7 +5,7 @@ EngineCore, i.e. per data-parallel rank). Everything here runs on the engine
 thread, so it is written for the scheduler's hot loop:
 
 - nothing runs per scheduled request per step: a request is looked at when it
-  is admitted, preempted or released (its record is made at its first
+  is admitted, preempted or released (its tally is made at its first
   admission, or its first failed attempt), and a step costs, after
   ``schedule()``, a clock read and a count of what the step's allocations
   popped off the free queue (``PoolTracker.note_pops``); the chores (the
@@ -13,7 +13,7 @@ thread, so it is written for the scheduler's hot loop:
   run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
   by observable instruments on the metric reader's thread (``snapshot``);
-- a live request costs a record, one flat array of counts (``record.py``),
+- a live request costs a tally, one flat array of counts (``tally.py``),
   not an SDK span. At release its bytes go to the exporter (``export.py``),
   which builds the span, in a helper process when the SDK was configured from
   the environment.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import names
-from otel_kvcache.record import (
+from otel_kvcache.tally import (
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
     ADMITTED_NS,
@@ -48,7 +48,7 @@ from otel_kvcache.record import (
     START_NS,
     STALLS,
     STILL_HELD,
-    blank_record,
+    blank_tally,
     close_admission_period,
     count_period_hits,
 )
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
 
 class EngineTelemetry:
-    """KV telemetry of one scheduler: live request records, the pool tracker, counters."""
+    """KV telemetry of one scheduler: live requests' tallies, the pool tracker, counters."""
 
     def __init__(
         self,
@@ -91,10 +91,10 @@ class EngineTelemetry:
         self.pool = PoolTracker(manager.block_pool)
         self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
         self.requests: dict[str, array] = {}
-        """Live requests' records (``record.py``), by request id."""
+        """Live requests' tallies (``tally.py``), by request id."""
         self.extra_events: dict[str, list[tuple]] = {}
         """Live requests' events other than the first admission (preempted, resumed, stuck, zombie)."""
-        self._blank_record = blank_record(self.block_size, self.pool.limit)
+        self._blank_tally = blank_tally(self.block_size, self.pool.limit)
         self.step = 0
         # Cumulative counters, exported by observable counters.
         self.preemptions = 0
@@ -126,25 +126,25 @@ class EngineTelemetry:
 
     def event(self, request_id: str, name: str, blocks: int, detail: Any) -> None:
         """An event on the request's span to come, other than its first admission and its
-        release (which its record holds), as ``FinishedRequest.events`` holds it."""
+        release (which its tally holds), as ``FinishedRequest.events`` holds it."""
         free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
         event = (name, time.time_ns(), blocks, detail, free, self.pool.limit - free)
         self.extra_events.setdefault(request_id, []).append(event)  # rare: preemptions, findings
 
     # --- request lifecycle ----------------------------------------------------
 
-    def _record_of(self, request: Any) -> array:
-        """The request's record, made at its first admission or failed attempt (a
+    def _tally_of(self, request: Any) -> array:
+        """The request's tally, made at its first admission or failed attempt (a
         streaming-input session's later chunks keep it)."""
-        record = self.requests.get(request.request_id)
-        if record is None:
-            record = self.requests[request.request_id] = self._new_record(request)
-        return record
+        tally = self.requests.get(request.request_id)
+        if tally is None:
+            tally = self.requests[request.request_id] = self._new_tally(request)
+        return tally
 
-    def _new_record(self, request: Any) -> array:
-        record = self._blank_record[:]
-        record[START_NS] = int(request.arrival_time * 1e9)
-        return record
+    def _new_tally(self, request: Any) -> array:
+        tally = self._blank_tally[:]
+        tally[START_NS] = int(request.arrival_time * 1e9)
+        return tally
 
     def forget_departed(self) -> None:
         """Drops what we hold for requests that left the scheduler without a release
@@ -189,30 +189,30 @@ class EngineTelemetry:
 
     def _admitted(self, request_id: str) -> None:
         """An admission opens a period; its prefix hits count when the period closes
-        (``record.close_admission_period``: at a preemption, or in the exporter)."""
-        record = self._record_of(self.scheduler_requests[request_id])
+        (``tally.close_admission_period``: at a preemption, or in the exporter)."""
+        tally = self._tally_of(self.scheduler_requests[request_id])
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
         held = self.held_blocks(request_id)
-        if record[ADMITTED_NS] or record[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
-            count_period_hits(record)
-            if held > record[PEAK]:
-                record[PEAK] = held
-            event = names.EVENT_RESUMED if record[PREEMPTIONS] else names.EVENT_ADMITTED
+        if tally[ADMITTED_NS] or tally[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
+            count_period_hits(tally)
+            if held > tally[PEAK]:
+                tally[PEAK] = held
+            event = names.EVENT_RESUMED if tally[PREEMPTIONS] else names.EVENT_ADMITTED
             self.event(request_id, event, held, hit_tokens)
         else:  # the first admission's blocks count towards the peak in the exporter
-            record[ADMITTED_NS] = time.time_ns()
-            record[ADMITTED_BLOCKS] = held
-            record[ADMITTED_HIT_TOKENS] = hit_tokens
-            record[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
-        record[PERIOD_HIT_TOKENS] = hit_tokens
+            tally[ADMITTED_NS] = time.time_ns()
+            tally[ADMITTED_BLOCKS] = held
+            tally[ADMITTED_HIT_TOKENS] = hit_tokens
+            tally[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
+        tally[PERIOD_HIT_TOKENS] = hit_tokens
 
     def on_stall(self, request: Any) -> None:
         """The scheduler tried to give this request blocks in this step and found none."""
-        record = self._record_of(request)
-        if record[LAST_STALL_STEP] == self.step:
+        tally = self._tally_of(request)
+        if tally[LAST_STALL_STEP] == self.step:
             return
-        record[LAST_STALL_STEP] = self.step
-        record[STALLS] += 1
+        tally[LAST_STALL_STEP] = self.step
+        tally[STALLS] += 1
         self.allocation_stalls += 1
 
     def before_preempt(self, request: Any) -> tuple[int, int]:
@@ -227,12 +227,12 @@ class EngineTelemetry:
         released, computed = held_and_computed
         self.preemptions += 1
         self.recomputed_tokens += computed
-        record = self.requests.get(request.request_id)
-        if record is None:
+        tally = self.requests.get(request.request_id)
+        if tally is None:
             return
-        record[PREEMPTIONS] += 1
-        record[RECOMPUTED_TOKENS] += computed
-        close_admission_period(record, released)
+        tally[PREEMPTIONS] += 1
+        tally[RECOMPUTED_TOKENS] += computed
+        close_admission_period(tally, released)
         self.event(request.request_id, names.EVENT_PREEMPTED, released, computed)
 
     def before_release(self, request: Any) -> int:
@@ -240,18 +240,18 @@ class EngineTelemetry:
 
     def on_released(self, request: Any, freed: int) -> None:
         request_id = request.request_id
-        record = self.requests.pop(request_id, None)
-        if record is None:  # never admitted nor stalled: aborted while waiting
-            record = self._new_record(request)
-        # The exporter closes the last admission period (record.close_admission_period).
-        record[FREED] = freed
-        record[RELEASED_NS] = time.time_ns()
-        record[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
+        tally = self.requests.pop(request_id, None)
+        if tally is None:  # never admitted nor stalled: aborted while waiting
+            tally = self._new_tally(request)
+        # The exporter closes the last admission period (tally.close_admission_period).
+        tally[FREED] = freed
+        tally[RELEASED_NS] = time.time_ns()
+        tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
-        record[STILL_HELD] = self.held_blocks(request_id)
-        record[INPUT_TOKENS] = request.num_prompt_tokens
-        record[OUTPUT_TOKENS] = request.num_output_tokens
-        self.computed_tokens += request.num_computed_tokens + record[RECOMPUTED_TOKENS]
+        tally[STILL_HELD] = self.held_blocks(request_id)
+        tally[INPUT_TOKENS] = request.num_prompt_tokens
+        tally[OUTPUT_TOKENS] = request.num_output_tokens
+        self.computed_tokens += request.num_computed_tokens + tally[RECOMPUTED_TOKENS]
         events = self.extra_events.pop(request_id, None) if self.extra_events else None
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
@@ -264,7 +264,7 @@ class EngineTelemetry:
                     request_id,
                     request.trace_headers,
                     self._finish_reasons[request.status],
-                    record.tobytes(),
+                    tally.tobytes(),
                     events,
                     self._attribute_items,
                 )

@@ -18,11 +18,11 @@ class InstrumentationErrors:
         self._counter = counter
         self._logged: set[tuple[str, str]] = set()
 
-    def record(self, hook: str, exc: BaseException, count: int = 1) -> None:
-        """``count``: how many things the error cost (records dropped, for the exporter)."""
+    def count(self, hook: str, exc: BaseException, amount: int = 1) -> None:
+        """``amount``: how many things the error cost (records dropped, for the exporter)."""
         kind = (hook, type(exc).__qualname__)
         try:
-            self._counter.add(count, {names.ERROR_TYPE_ATTRIBUTE: kind[1], names.HOOK: hook})
+            self._counter.add(amount, {names.ERROR_TYPE_ATTRIBUTE: kind[1], names.HOOK: hook})
             if kind not in self._logged:
                 self._logged.add(kind)
                 _logger.warning(

@@ -1,9 +1,9 @@
-"""Where a finished request's record becomes its span and its histogram points.
+"""Where a finished request's tally becomes its span and its histogram points.
 
 The engine thread never builds spans: building one through the SDK and
 recording three histograms costs tens of microseconds, as much as the whole
 budget of a scheduler step. At release it hands an exporter a ``RequestEnded``
-(ids, the finish reason, the request's record as bytes, ``record.py``), which
+(ids, the finish reason, the request's tally as bytes, ``tally.py``), which
 ``finished_request`` reads into a ``FinishedRequest``:
 
 - ``RequestExporter`` builds the span and records the histograms where it is
@@ -35,7 +35,7 @@ from opentelemetry.propagate import extract
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Tracer
 
 from otel_kvcache import names
-from otel_kvcache import record
+from otel_kvcache import tally
 
 _findings_logger = logging.getLogger("otel_kvcache.findings")
 
@@ -93,8 +93,8 @@ class RequestEnded(NamedTuple):
     trace_headers: Mapping[str, str] | None
     """The request's trace headers, in vLLM's mapping as it is."""
     finish_reason: str
-    record: bytes
-    """The request's record (``record.py``)."""
+    tally: bytes
+    """The request's tally (``tally.py``)."""
     events: list[tuple] | None
     """Events other than the first admission and the release, as in ``FinishedRequest.events``."""
     engine_attributes: tuple[tuple[str, Any], ...]
@@ -103,30 +103,30 @@ class RequestEnded(NamedTuple):
 
 def finished_request(ended: RequestEnded) -> FinishedRequest:
     """A ``RequestEnded`` read back into a ``FinishedRequest``."""
-    request_id, trace_headers, finish_reason, record_bytes, more_events, engine_attributes = ended
-    counts = array(record.TYPECODE, record_bytes)
+    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_attributes = ended
+    counts = array(tally.TYPECODE, tally_bytes)
     # The last admission period, closed here rather than on the engine thread.
-    record.close_admission_period(counts, counts[record.FREED])
-    counts[record.PEAK] = max(counts[record.PEAK], counts[record.ADMITTED_BLOCKS])
-    limit = counts[record.POOL_LIMIT]
+    tally.close_admission_period(counts, counts[tally.FREED])
+    counts[tally.PEAK] = max(counts[tally.PEAK], counts[tally.ADMITTED_BLOCKS])
+    limit = counts[tally.POOL_LIMIT]
     events = []
-    if counts[record.ADMITTED_NS]:
-        free = counts[record.ADMITTED_POOL_FREE]
-        admitted = counts[record.ADMITTED_BLOCKS], counts[record.ADMITTED_HIT_TOKENS], free, limit - free
-        events.append((names.EVENT_ADMITTED, counts[record.ADMITTED_NS], *admitted))
+    if counts[tally.ADMITTED_NS]:
+        free = counts[tally.ADMITTED_POOL_FREE]
+        admitted = counts[tally.ADMITTED_BLOCKS], counts[tally.ADMITTED_HIT_TOKENS], free, limit - free
+        events.append((names.EVENT_ADMITTED, counts[tally.ADMITTED_NS], *admitted))
     events.extend(more_events or ())
-    released_ns, free = counts[record.RELEASED_NS], counts[record.RELEASED_POOL_FREE]
+    released_ns, free = counts[tally.RELEASED_NS], counts[tally.RELEASED_POOL_FREE]
     used = limit - free
-    events.append((names.EVENT_RELEASED, released_ns, counts[record.FREED], finish_reason, free, used))
-    if counts[record.STILL_HELD]:  # vLLM's free path kept the request's blocks: a leak, seen at once
-        events.append((names.EVENT_LEAK, released_ns, counts[record.STILL_HELD], request_id, free, used))
+    events.append((names.EVENT_RELEASED, released_ns, counts[tally.FREED], finish_reason, free, used))
+    if counts[tally.STILL_HELD]:  # vLLM's free path kept the request's blocks: a leak, seen at once
+        events.append((names.EVENT_LEAK, released_ns, counts[tally.STILL_HELD], request_id, free, used))
     return FinishedRequest(
         request_id=request_id,
         trace_headers=dict(trace_headers) if trace_headers else None,
         finish_reason=finish_reason,
         events=events,
         engine_attributes=dict(engine_attributes),
-        **dict(zip(record.REPORTED, counts)),
+        **dict(zip(tally.REPORTED, counts)),
     )
 
 

@@ -321,7 +321,7 @@ class ExporterProcess:
             self._dropped_counter.add(count, {names.STAGE: stage})
         except Exception:  # noqa: BLE001 - a broken SDK must not reach vLLM
             pass
-        self.errors.record(HOOK, TelemetryLost(f"{count} records lost at {stage}; {self.dropped} so far"), count)
+        self.errors.count(HOOK, TelemetryLost(f"{count} records lost at {stage}; {self.dropped} so far"), count)
 
     def close(self, wait: float = 0.0) -> bool:
         """At exit: hand the helper everything pending within ``CLOSE_SECONDS``, then close

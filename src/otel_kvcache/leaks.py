@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_kvcache import config, names
 from otel_kvcache.export import Finding, event_attributes, log_in_trace
-from otel_kvcache.record import PROGRESS_STEP, PROGRESS_TOKENS
+from otel_kvcache.tally import PROGRESS_STEP, PROGRESS_TOKENS
 from otel_kvcache.vllm_compat import blocks_by_request, deferred_frees, real_blocks, running_status
 
 if TYPE_CHECKING:
@@ -160,16 +160,16 @@ class Reconciler:
         """Running requests that computed no token for ``stuck_steps`` steps: how many."""
         engine, running = self.engine, self._running
         stuck = 0
-        for request_id, record in engine.requests.items():
+        for request_id, tally in engine.requests.items():
             request = live.get(request_id)
             if request is None or request.status is not running:
-                record[PROGRESS_STEP] = engine.step
+                tally[PROGRESS_STEP] = engine.step
                 continue
-            if request.num_computed_tokens != record[PROGRESS_TOKENS]:
-                record[PROGRESS_TOKENS], record[PROGRESS_STEP] = request.num_computed_tokens, engine.step
-            elif engine.step - record[PROGRESS_STEP] >= self.stuck_steps:
+            if request.num_computed_tokens != tally[PROGRESS_TOKENS]:
+                tally[PROGRESS_TOKENS], tally[PROGRESS_STEP] = request.num_computed_tokens, engine.step
+            elif engine.step - tally[PROGRESS_STEP] >= self.stuck_steps:
                 stuck += 1
-                idle = engine.step - record[PROGRESS_STEP]
+                idle = engine.step - tally[PROGRESS_STEP]
                 held = engine.held_blocks(request_id)
                 self._tell(names.EVENT_STUCK, request_id, held, idle, f"has computed no token for {idle} steps")
         return stuck

@@ -67,7 +67,7 @@ def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod)
                 try:
                     on_call(engine, *args, **kwargs)
                 except Exception as exc:  # ours, never vLLM's
-                    errors.record(hook, exc)
+                    errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -86,7 +86,7 @@ def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMet
                 try:
                     on_result(engine, result)
                 except Exception as exc:  # ours, never vLLM's
-                    errors.record(hook, exc)
+                    errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -105,7 +105,7 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..
                 try:
                     before(engine.pool, *args, **kwargs)
                 except Exception as exc:  # ours, never vLLM's
-                    errors.record(hook, exc)
+                    errors.count(hook, exc)
             return original(self, *args, **kwargs)
 
         return method_like(original, method)
@@ -126,13 +126,13 @@ def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, afte
                 first_argument = args[0]
                 state = before(engine, first_argument)
             except Exception as exc:  # ours, never vLLM's
-                errors.record(hook, exc)
+                errors.count(hook, exc)
                 return original(self, *args, **kwargs)
             result = original(self, *args, **kwargs)
             try:
                 after(engine, first_argument, state)
             except Exception as exc:  # ours, never vLLM's
-                errors.record(hook, exc)
+                errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -162,7 +162,7 @@ def scheduler_init_wrapper(
                 describe_installed(),
             )
         except Exception as exc:  # noqa: BLE001
-            errors.record(hook, exc)
+            errors.count(hook, exc)
 
     return wrapper
 

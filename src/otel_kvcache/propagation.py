@@ -60,7 +60,7 @@ def recover_trace_headers_wrapper(hook: str, errors: InstrumentationErrors):
                 if kept:
                     _incoming_trace_headers.set(kept)  # in the request's own task, as awaited
             except Exception as exc:  # noqa: BLE001
-                errors.record(hook, exc)
+                errors.count(hook, exc)
         return result
 
     return wrapper
@@ -89,7 +89,7 @@ def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
                 request = first_argument(args, kwargs, "request")
                 request.trace_headers = {**(request.trace_headers or {}), **carrier}
         except Exception as exc:  # noqa: BLE001
-            errors.record(hook, exc)
+            errors.count(hook, exc)
         return result
 
     return wrapper

@@ -109,7 +109,7 @@ def name_child_process_wrapper(hook: str, errors: InstrumentationErrors):
             # A worker inherits its engine's attributes (its engine index) and adds its own.
             handed_down = attributes and json.dumps({**json.loads(saved or "{}"), **attributes})
         except Exception as exc:  # noqa: BLE001
-            errors.record(hook, exc)
+            errors.count(hook, exc)
             handed_down = None
         if not handed_down:
             return wrapped(*args, **kwargs)

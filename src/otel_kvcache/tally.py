@@ -1,8 +1,8 @@
-"""A live request's record: one flat array of 64-bit counts, indexed by the constants below.
+"""A live request's tally: one flat array of 64-bit counts, indexed by the constants below.
 
 The engine keeps one per live request (``EngineTelemetry.requests``) and, when
 the request ends, hands its bytes to the exporter, which reads them back into
-a ``FinishedRequest`` (``export.finished_request``). Flat on purpose: a record
+a ``FinishedRequest`` (``export.finished_request``). Flat on purpose: a tally
 made of Python objects (a slotted object, its event list and tuples, an int
 object per large count) is a dozen small objects allocated at admission,
 scattered over the heap, all cold again when the request ends. Reading and
@@ -83,36 +83,36 @@ REPORTED = FIELDS[: STILL_HELD + 1]
 TYPECODE = "q"
 
 
-def blank_record(block_size: int, pool_limit: int) -> array:
-    """The record of a request nothing has happened to yet (new ones are copies: ``blank[:]``)."""
-    record = array(TYPECODE, bytes(8 * len(FIELDS)))
-    record[BLOCK_SIZE] = block_size
-    record[POOL_LIMIT] = pool_limit
-    record[LAST_STALL_STEP] = -1
-    record[PROGRESS_TOKENS] = -1
-    return record
+def blank_tally(block_size: int, pool_limit: int) -> array:
+    """The tally of a request nothing has happened to yet (new ones are copies: ``blank[:]``)."""
+    tally = array(TYPECODE, bytes(8 * len(FIELDS)))
+    tally[BLOCK_SIZE] = block_size
+    tally[POOL_LIMIT] = pool_limit
+    tally[LAST_STALL_STEP] = -1
+    tally[PROGRESS_TOKENS] = -1
+    return tally
 
 
-def close_admission_period(record: array, held: int) -> None:
+def close_admission_period(tally: array, held: int) -> None:
     """An admission period ends (preempted, or released) holding ``held`` blocks:
     its prefix hits, its peak, and the new blocks among those it holds.
 
     With full attention a request's blocks only grow while it runs, so the
     blocks it holds when preempted or released are its most in that period.
     """
-    hit_blocks = count_period_hits(record)
-    record[ALLOCATED] += max(held - hit_blocks, 0)
-    if held > record[PEAK]:
-        record[PEAK] = held
-    record[PERIOD_HIT_TOKENS] = 0
+    hit_blocks = count_period_hits(tally)
+    tally[ALLOCATED] += max(held - hit_blocks, 0)
+    if held > tally[PEAK]:
+        tally[PEAK] = held
+    tally[PERIOD_HIT_TOKENS] = 0
 
 
-def count_period_hits(record: array) -> int:
+def count_period_hits(tally: array) -> int:
     """The period's prefix hits join the request's; returns them in blocks. Also for
     a later admission in the same period (a streaming session's next chunk): the
     earlier one's hits count then, the new one's when the period closes."""
-    hit_tokens = record[PERIOD_HIT_TOKENS]
-    hit_blocks = -(-hit_tokens // record[BLOCK_SIZE])
-    record[CACHE_READ_TOKENS] += hit_tokens
-    record[PREFIX_HIT_BLOCKS] += hit_blocks
+    hit_tokens = tally[PERIOD_HIT_TOKENS]
+    hit_blocks = -(-hit_tokens // tally[BLOCK_SIZE])
+    tally[CACHE_READ_TOKENS] += hit_tokens
+    tally[PREFIX_HIT_BLOCKS] += hit_blocks
     return hit_blocks

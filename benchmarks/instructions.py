@@ -2,6 +2,9 @@
 
     python -m benchmarks.instructions [--steps N] [--workloads decode-heavy,churn,wide] [--cache-sim]
 
+``tests/test_overhead_gate.py`` runs a shorter count of each workload through
+``measure`` and fails when one exceeds its target.
+
 On a shared 2-core machine the paired timings of ``benchmarks.overhead``
 wander by ±5 % between two identical processes, more than the 1 % to be
 shown. Valgrind's callgrind counts the instructions the engine process
@@ -36,11 +39,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.scheduler_driver import TARGETS, against_target, workloads
 
 VALGRIND_SLOWDOWN = 50
+MISSING_VALGRIND = "valgrind is not installed (Debian: apt-get install valgrind)"
 
 
 def _child(variant: str, workload_name: str, steps: int) -> None:
@@ -108,6 +113,44 @@ def count(variant: str, workload_name: str, steps: int, seed: int, cache_sim: bo
     return counted
 
 
+def measure(workload_names: list[str], steps: int, seed: int = 0, cache_sim: bool = False) -> Iterator[dict]:
+    """Each workload's uninstrumented and instrumented counts, as a result, in turn."""
+    with ThreadPoolExecutor(2) as pool:  # the two variants side by side: counts don't mind
+        for name in workload_names:
+            base, otel = pool.map(lambda variant: count(variant, name, steps, seed, cache_sim), ("base", "otel"))
+            extra = otel["instructions"] - base["instructions"]
+            outcome = {
+                "workload": name,
+                "steps": steps,
+                "seed": seed,
+                "base_instructions_per_step": base["instructions"] / steps,
+                "overhead": extra / base["instructions"],
+                "target": TARGETS.get(name),
+                "instructions_per_finished_request": extra / max(1, otel["finished"]),
+                "finished": otel["finished"],
+            }
+            if cache_sim:
+                outcome["base_cycles_per_step"] = base["cycles"] / steps
+                outcome["cycles_overhead"] = otel["cycles"] / base["cycles"] - 1
+            yield outcome
+
+
+def report(outcome: dict) -> str:
+    name = outcome["workload"]
+    lines = [
+        f"{name:<14} base {outcome['base_instructions_per_step'] / 1e6:.1f} M instructions/step | "
+        f"instrumented +{100 * outcome['overhead']:.2f} % ({against_target(outcome['overhead'], name)}) | "
+        f"{outcome['instructions_per_finished_request'] / 1e3:.0f} k instructions per finished request"
+    ]
+    if "cycles_overhead" in outcome:
+        lines.append(
+            f"{'':<14} base {outcome['base_cycles_per_step'] / 1e6:.1f} M estimated cycles/step | "
+            f"instrumented +{100 * outcome['cycles_overhead']:.2f} % "
+            f"({against_target(outcome['cycles_overhead'], name)})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
     parser.add_argument("--steps", type=int, default=100)
@@ -124,43 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         _child(variant, workload_name, int(steps))
         return 0
     if not shutil.which("valgrind"):
-        print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+        print(MISSING_VALGRIND, file=sys.stderr)
         return 2
 
     results = []
-    with ThreadPoolExecutor(2) as pool:  # the two variants side by side: counts don't mind
-        for name in args.workloads.split(","):
-            base, otel = pool.map(
-                lambda variant: count(variant, name, args.steps, args.seed, args.cache_sim), ("base", "otel")
-            )
-            extra = otel["instructions"] - base["instructions"]
-            outcome = {
-                "workload": name,
-                "steps": args.steps,
-                "seed": args.seed,
-                "base_instructions_per_step": base["instructions"] / args.steps,
-                "overhead": extra / base["instructions"],
-                "target": TARGETS.get(name),
-                "instructions_per_finished_request": extra / max(1, otel["finished"]),
-                "finished": otel["finished"],
-            }
-            if args.cache_sim:
-                outcome["base_cycles_per_step"] = base["cycles"] / args.steps
-                outcome["cycles_overhead"] = otel["cycles"] / base["cycles"] - 1
-            results.append(outcome)
-            print(
-                f"{name:<14} base {outcome['base_instructions_per_step'] / 1e6:.1f} M instructions/step | "
-                f"instrumented +{100 * outcome['overhead']:.2f} % ({against_target(outcome['overhead'], name)}) | "
-                f"{outcome['instructions_per_finished_request'] / 1e3:.0f} k instructions per finished request",
-                flush=True,
-            )
-            if args.cache_sim:
-                print(
-                    f"{'':<14} base {outcome['base_cycles_per_step'] / 1e6:.1f} M estimated cycles/step | "
-                    f"instrumented +{100 * outcome['cycles_overhead']:.2f} % "
-                    f"({against_target(outcome['cycles_overhead'], name)})",
-                    flush=True,
-                )
+    for outcome in measure(args.workloads.split(","), args.steps, args.seed, args.cache_sim):
+        results.append(outcome)
+        print(report(outcome), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -365,9 +365,8 @@ def _with_plain_headers(fields: list) -> list:
 def read_batches(fd: int) -> Iterator[list[RequestEnded | Finding]]:
     """The records (``RequestEnded`` or ``Finding``) of every whole frame the engine has written by now, a batch at a time,
     until the pipe closes (``helper.py``). An engine that goes idle after each request
-    hands over a frame per request: read together, they make one export, not one each
-    (through a collector that takes half a second an export, 60 of them outlasted the
-    helper's deadline)."""
+    hands over a frame per request: read together, they make one export, not one each,
+    so that a slow collector costs the helper one export's time per batch, not per request."""
     buffer = bytearray()
     open_ = True
     while open_:

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+import json
+
 import pytest
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from demo.otlp_sink import to_otlp_json
 from otel_kvcache import VLLMKVCacheInstrumentor, config, names
 
 
@@ -36,6 +41,14 @@ class Telemetry:
                     if metric.name == metric_name:
                         found.extend(metric.data.data_points)
         return found
+
+    def write_otlp_json(self, directory) -> None:
+        """What was exported so far, as the collector's file exporter writes it."""
+        directory.mkdir(parents=True, exist_ok=True)
+        metrics = encode_metrics(self.reader.get_metrics_data())
+        (directory / "metrics.jsonl").write_text(json.dumps(to_otlp_json(metrics)) + "\n")
+        spans = encode_spans(self.spans.get_finished_spans())
+        (directory / "traces.jsonl").write_text(json.dumps(to_otlp_json(spans)) + "\n")
 
     def total(self, metric_name: str, **attributes) -> float:
         return sum(

@@ -97,7 +97,7 @@ class EngineHarness:
         scheduler.kv_cache_manager.allocate_slots = _AllocationRecorder(self)
         init_none_hash(sha256)
         self.block_size = scheduler.block_size
-        self._hasher = get_request_block_hasher(self.block_size, sha256)
+        self.block_hasher = get_request_block_hasher(self.block_size, sha256)
         self.requests: dict[str, Request] = {}
         self.truth = GroundTruth()
         self.steps = 0
@@ -122,7 +122,7 @@ class EngineHarness:
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             pooling_params=None,
             trace_headers=trace_headers,
-            block_hasher=self._hasher,
+            block_hasher=self.block_hasher,
         )
 
     def add(self, request: Request) -> Request:

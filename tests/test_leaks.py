@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-from demo.otlp_sink import to_otlp_json
 from engine_harness import break_free_for
 from otel_kvcache import gate, names
 
@@ -156,14 +152,6 @@ def test_tail_slack_and_prefix_composition_match_vllms_state(leak_settings, monk
     )
 
 
-def _write_otlp_json(telemetry, directory):
-    directory.mkdir(parents=True, exist_ok=True)
-    metrics = encode_metrics(telemetry.reader.get_metrics_data())
-    (directory / "metrics.jsonl").write_text(json.dumps(to_otlp_json(metrics)) + "\n")
-    spans = encode_spans(telemetry.spans.get_finished_spans())
-    (directory / "traces.jsonl").write_text(json.dumps(to_otlp_json(spans)) + "\n")
-
-
 def test_the_gate_passes_a_clean_run_and_fails_a_leaking_one(
     leak_settings, make_engine, telemetry, monkeypatch, tmp_path, capsys
 ):
@@ -171,7 +159,7 @@ def test_the_gate_passes_a_clean_run_and_fails_a_leaking_one(
     for i in range(4):
         clean.add(clean.make_request(f"c{i}", prompt_len=50, max_tokens=5))
     clean.run()
-    _write_otlp_json(telemetry, tmp_path / "clean")
+    telemetry.write_otlp_json(tmp_path / "clean")
     assert gate.main(["--otlp-dir", str(tmp_path / "clean")]) == 0
     assert "PASS" in capsys.readouterr().out
 
@@ -179,7 +167,7 @@ def test_the_gate_passes_a_clean_run_and_fails_a_leaking_one(
     break_free_for(monkeypatch, leaking, "victim", orphan=False)
     leaking.add(leaking.make_request("victim", prompt_len=70, max_tokens=4))
     leaking.run()  # the engine goes idle: it reconciles at once
-    _write_otlp_json(telemetry, tmp_path / "leaking")
+    telemetry.write_otlp_json(tmp_path / "leaking")
     assert gate.main(["--otlp-dir", str(tmp_path / "leaking")]) == 1
     err = capsys.readouterr().err
     assert "engine 1: zombie requests 1 > tolerance 0" in err

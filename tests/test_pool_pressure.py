@@ -175,7 +175,7 @@ def test_a_growing_chat_takes_its_cached_blocks_back_and_the_gauges_follow(
                     prompt_token_ids=list(tokens),
                     sampling_params=SamplingParams(max_tokens=20, ignore_eos=True),
                     pooling_params=None,
-                    block_hasher=engine._hasher,
+                    block_hasher=engine.block_hasher,
                 )
             )
             for chat, tokens in chats.items()
@@ -278,7 +278,7 @@ def test_mixed_traffic_evicts_what_vllm_evicts_as_old_as_it_was(make_engine, tel
                 prompt_token_ids=prompt,
                 sampling_params=SamplingParams(max_tokens=4 + (n * 5) % 24, ignore_eos=True),
                 pooling_params=None,
-                block_hasher=engine._hasher,
+                block_hasher=engine.block_hasher,
             )
         )
         for _ in range(1 + n % 2):

@@ -99,7 +99,10 @@ def accessor(variable: str):
 
 
 def matches(documented: str, value: object) -> bool:
-    """A default as the table writes it (`5`, `auto`, none) against the value the code returns."""
+    """A default as the table writes it (`5`, `auto`, none) against the value the code returns
+    (None: worked out at run time, which the table writes `auto`)."""
+    if value is None:
+        return documented == "auto"
     if isinstance(value, list):
         return documented == (",".join(value) or "none")
     if isinstance(value, (int, float)):

@@ -24,6 +24,10 @@ ZOMBIE_GRACE_SECONDS = "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS"
 STUCK_STEPS = "OTEL_KVCACHE_STUCK_STEPS"
 """Engine steps a running request may go without computing a token before it is stuck (default 1024)."""
 
+WHATIF_SAMPLE_RATE = "OTEL_KVCACHE_WHATIF_SAMPLE_RATE"
+"""Share of block hashes the what-if curve samples, in (0, 1]; ``auto`` (default): about
+1,024 blocks per pool's worth (``whatif.default_sample_rate``)."""
+
 EXPORTER_PROCESS = "OTEL_KVCACHE_EXPORTER_PROCESS"
 """Build request spans in a helper process: ``auto`` (default: when the SDK is
 configured from the environment, as by ``opentelemetry-instrument``), ``on``, ``off``."""
@@ -61,6 +65,21 @@ def stuck_steps() -> int:
     return env_int(STUCK_STEPS, 1024)
 
 
+def whatif_sample_rate() -> float | None:
+    """None for ``auto``."""
+    raw = os.environ.get(WHATIF_SAMPLE_RATE, "").strip()
+    if raw.lower() in ("", "auto"):
+        return None
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = math.nan
+    if not 0.0 < rate <= 1.0:  # nan included
+        _warn_once(WHATIF_SAMPLE_RATE, raw, "is not auto or a number in (0, 1]; using auto")
+        return None
+    return rate
+
+
 def exporter_process() -> str:
     return env_choice(EXPORTER_PROCESS, EXPORTER_PROCESS_CHOICES)
 
@@ -89,6 +108,7 @@ def check_all() -> None:
         reconcile_seconds,
         zombie_grace_seconds,
         stuck_steps,
+        whatif_sample_rate,
         exporter_process,
         device_metrics,
         vllm_plugin,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
-from otel_kvcache import names
+from otel_kvcache import config, names
 from otel_kvcache.tally import (
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
@@ -48,6 +48,8 @@ from otel_kvcache.tally import (
     START_NS,
     STALLS,
     STILL_HELD,
+    COLD_TOKENS,
+    EVICTED_TOKENS,
     blank_tally,
     close_admission_period,
     count_period_hits,
@@ -57,11 +59,13 @@ from otel_kvcache.export import RequestEnded, RequestExporter
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
+from otel_kvcache.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.vllm_compat import (
     engine_index,
     finish_reasons_by_status,
     held_blocks_counter,
     kv_bytes_per_block,
+    lookup_keys,
     may_hold_null_blocks,
     request_being_scheduled,
     resumed_request_ids,
@@ -119,6 +123,13 @@ class EngineTelemetry:
         self._waiting_for_blocks = statuses_waiting_for_blocks()
         self._lookup_enabled = manager.prefix_cache_lookup_enabled
         self.reconciler = Reconciler(self, scheduler)
+        rate = config.whatif_sample_rate()
+        self.reuse = PrefixReuse(self.pool.limit, default_sample_rate(self.pool.limit) if rate is None else rate)
+        """Miss reasons and the what-if curve, fed by the lookups here and the pool's frees."""
+        self.pool.reuse = self.reuse
+        self.preempted_blocks: dict[str, int] = {}
+        """Blocks each preempted request gave back, until it runs again: demand the pool lacked."""
+        self.preempted_demand = 0
         self._chores_due = 0.0
         instruments.engines.add(self)
 
@@ -155,6 +166,8 @@ class EngineTelemetry:
             self.extra_events.pop(request_id, None)
         for request_id in [rid for rid in self.pending_hits if rid not in live]:
             del self.pending_hits[request_id]
+        for request_id in [rid for rid in self.preempted_blocks if rid not in live]:
+            self.preempted_demand -= self.preempted_blocks.pop(request_id)
 
     def on_admission_attempt(self, request: Any) -> None:
         """After ``_get_local_prefix_cache_hit``: the step's latest admission attempt."""
@@ -165,8 +178,18 @@ class EngineTelemetry:
         (vLLM's arguments, as it passes them)."""
         self.pending_hits[request.request_id] = num_hits  # taken once the step's admissions are known
         if self._lookup_enabled(request):  # vLLM's own test for counting the lookup
-            self.prefix_cache_queries += request.num_tokens
+            queried, block_size = request.num_tokens, self.block_size
+            self.prefix_cache_queries += queried
             self.prefix_cache_hits += num_hits
+            used = self.pool.limit - self.pool.queue.num_free_blocks
+            keys = lookup_keys(request, block_size)
+            evicted, cold, _ = self.reuse.on_lookup(
+                keys, num_hits // block_size, block_size, queried, used, time.monotonic()
+            )
+            if evicted or cold:
+                tally = self._tally_of(request)
+                tally[EVICTED_TOKENS] += evicted
+                tally[COLD_TOKENS] += cold
 
     def on_scheduled(self, output: Any) -> None:
         """After ``schedule()``, once a step: the step's admissions, the attempt that
@@ -184,6 +207,7 @@ class EngineTelemetry:
         self.step += 1
         now = time.monotonic()
         self.pool.note_pops(now)
+        self.reuse.on_demand(self.pool.limit - self.pool.queue.num_free_blocks, self.preempted_demand, now)
         if now >= self._chores_due:
             self._chores(now)
 
@@ -194,6 +218,8 @@ class EngineTelemetry:
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
         held = self.held_blocks(request_id)
         if tally[ADMITTED_NS] or tally[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
+            if self.preempted_blocks:
+                self.preempted_demand -= self.preempted_blocks.pop(request_id, 0)
             count_period_hits(tally)
             if held > tally[PEAK]:
                 tally[PEAK] = held
@@ -215,16 +241,20 @@ class EngineTelemetry:
         tally[STALLS] += 1
         self.allocation_stalls += 1
 
-    def before_preempt(self, request: Any) -> tuple[int, int]:
+    def before_preempt(self, request: Any) -> tuple[int, int, str | None]:
         """Before ``_preempt_request``: a preemption inside ``schedule()`` makes room
         for a request whose allocation failed, a stall of that request."""
         stalled = request_being_scheduled()
         if stalled is not None:
             self.on_stall(stalled)
-        return self.held_blocks(request.request_id), request.num_computed_tokens
+        # None when vLLM preempted the very request it was scheduling (the lowest in priority).
+        preempted_for = stalled.request_id if stalled is not None and stalled is not request else None
+        return self.held_blocks(request.request_id), request.num_computed_tokens, preempted_for
 
-    def on_preempted(self, request: Any, held_and_computed: tuple[int, int]) -> None:
-        released, computed = held_and_computed
+    def on_preempted(self, request: Any, before: tuple[int, int, str | None]) -> None:
+        released, computed, preempted_for = before
+        self.preempted_blocks[request.request_id] = released
+        self.preempted_demand += released
         self.preemptions += 1
         self.recomputed_tokens += computed
         tally = self.requests.get(request.request_id)
@@ -233,7 +263,7 @@ class EngineTelemetry:
         tally[PREEMPTIONS] += 1
         tally[RECOMPUTED_TOKENS] += computed
         close_admission_period(tally, released)
-        self.event(request.request_id, names.EVENT_PREEMPTED, released, computed)
+        self.event(request.request_id, names.EVENT_PREEMPTED, released, (computed, preempted_for))
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
@@ -241,6 +271,8 @@ class EngineTelemetry:
     def on_released(self, request: Any, freed: int) -> None:
         request_id = request.request_id
         tally = self.requests.pop(request_id, None)
+        if self.preempted_blocks:  # released while preempted (aborted)
+            self.preempted_demand -= self.preempted_blocks.pop(request_id, 0)
         if tally is None:  # never admitted nor stalled: aborted while waiting
             tally = self._new_tally(request)
         # The exporter closes the last admission period (tally.close_admission_period).
@@ -287,6 +319,7 @@ class EngineTelemetry:
         """After ``reset_prefix_cache``: if it succeeded, no block holds a prefix."""
         if succeeded:
             self.pool.on_reset()
+            self.reuse.on_reset()
 
     @property
     def snapshot(self) -> PoolSnapshot:

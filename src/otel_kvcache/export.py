@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Meter
 from opentelemetry.propagate import extract
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Tracer
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Tracer
 
 from otel_kvcache import names
 from otel_kvcache import tally
@@ -45,17 +45,23 @@ RECENTLY_ENDED = 4096
 EVENT_DETAIL = {
     names.EVENT_ADMITTED: names.EVENT_PREFIX_HIT_TOKENS,
     names.EVENT_RESUMED: names.EVENT_PREFIX_HIT_TOKENS,
-    names.EVENT_PREEMPTED: names.RECOMPUTED_TOKENS,
+    names.EVENT_PREEMPTED: (names.RECOMPUTED_TOKENS, names.PREEMPTED_FOR),
     names.EVENT_RELEASED: names.FINISH_REASON,
     names.EVENT_LEAK: names.REQUEST_ID,
     names.EVENT_ZOMBIE: names.REQUEST_ID,
     names.EVENT_STUCK: names.STUCK_STEPS,
 }
-"""The attribute each event's ``detail`` is exported as (besides its blocks)."""
+"""The attribute each event's ``detail`` is exported as (besides its blocks); a tuple of
+names for a detail that is a tuple of values, None among which is left out."""
 
 
 def event_attributes(name: str, blocks: int, detail: Any) -> dict[str, Any]:
-    return {names.BLOCKS: blocks, EVENT_DETAIL[name]: detail}
+    exported_as = EVENT_DETAIL[name]
+    if isinstance(exported_as, str):
+        return {names.BLOCKS: blocks, exported_as: detail}
+    attributes = {names.BLOCKS: blocks}
+    attributes.update((key, value) for key, value in zip(exported_as, detail) if value is not None)
+    return attributes
 
 
 class FinishedRequest(NamedTuple):
@@ -76,6 +82,10 @@ class FinishedRequest(NamedTuple):
     preemptions: int
     recomputed_tokens: int
     stalls: int
+    evicted_tokens: int
+    """Prompt tokens that missed the prefix cache because their blocks were evicted."""
+    cold_tokens: int
+    """Prompt tokens whose blocks had never been cached."""
     finish_reason: str
     events: list[tuple]
     """Span events as flat tuples: ``(name, time_ns, blocks, detail, pool_free_blocks,
@@ -178,6 +188,7 @@ class RequestExporter:
             names.KV_REQUEST_SPAN,
             context=extract(headers, context=Context()) if headers else Context(),
             kind=SpanKind.INTERNAL,
+            links=self._preemptors(finished.events),
             start_time=finished.start_ns,
             attributes={
                 names.REQUEST_ID: finished.request_id,
@@ -192,6 +203,8 @@ class RequestExporter:
                 names.PREEMPTIONS: finished.preemptions,
                 names.RECOMPUTED_TOKENS: finished.recomputed_tokens,
                 names.ALLOCATION_STALLS: finished.stalls,
+                names.PREFIX_EVICTED_TOKENS: finished.evicted_tokens,
+                names.PREFIX_COLD_TOKENS: finished.cold_tokens,
                 names.FINISH_REASON: finished.finish_reason,
             },
         )
@@ -220,6 +233,15 @@ class RequestExporter:
                 finished.request_id,
                 finished.still_held,
             )
+
+    def _preemptors(self, events: list[tuple]) -> list[Link]:
+        """Links to the spans of the requests that preempted this one, those that ended
+        before it (a link is set when a span starts: a request still running has none yet)."""
+        links = []
+        for name, _, _, detail, _, _ in events:
+            if name == names.EVENT_PREEMPTED and detail[1] in self.recently_ended:
+                links.append(Link(self.recently_ended[detail[1]], {names.REQUEST_ID: detail[1]}))
+        return links
 
     def finding(self, finding: Finding) -> None:
         """A finding span in the ended request's trace, and a log record in its context."""

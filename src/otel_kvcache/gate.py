@@ -5,6 +5,9 @@
 
 Exits 1, naming the leak, when an engine's last reading shows more orphaned
 blocks or zombie requests than tolerated, or a larger tail-slack ratio; 0 otherwise.
+With ``--min-projected-hit-gain X`` it also fails a load test whose pool is too
+small for its traffic: when doubling the pool would have raised the prefix-cache
+hit ratio by more than X (0.05: five points), by the what-if curve.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Tolerances:
     orphaned_blocks: int = 0
     zombie_requests: int = 0
     tail_slack_ratio: float = 0.5
+    projected_hit_gain: float | None = None
+    """The most that doubling the pool may add to the hit ratio; None: not checked."""
 
 
 def readings_from_otlp(directory: Path) -> dict[str, dict]:
@@ -56,6 +61,36 @@ def readings_from_prometheus(text: str) -> dict[str, dict]:
     return readings
 
 
+def hit_gains(latest_ratios: dict[tuple[str, float], float]) -> dict[str, float]:
+    """Engine -> what doubling its pool would add to its hit ratio, from the last
+    ``PROJECTED_HIT_RATIO`` reading at each (engine, scale)."""
+    return {
+        engine: latest_ratios[engine, 2.0] - latest_ratios[engine, 1.0]
+        for engine, scale in latest_ratios
+        if scale == 1.0 and (engine, 2.0) in latest_ratios
+    }
+
+
+def hit_gains_from_otlp(directory: Path) -> dict[str, float]:
+    latest: dict[tuple[str, float], dict] = {}
+    for point in metric_points(directory / "metrics.jsonl", names.PROJECTED_HIT_RATIO):
+        key = (str(point["attributes"].get(names.ENGINE_INDEX)), float(point["attributes"][names.POOL_SCALE]))
+        if key not in latest or point["time"] >= latest[key]["time"]:
+            latest[key] = point
+    return hit_gains({key: point["value"] for key, point in latest.items()})
+
+
+def hit_gains_from_prometheus(text: str) -> dict[str, float]:
+    wanted, latest = prometheus_name(names.PROJECTED_HIT_RATIO), {}
+    engine_label, scale_label = prometheus_name(names.ENGINE_INDEX), prometheus_name(names.POOL_SCALE)
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if match and match.group(1) == wanted:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            latest[labels.get(engine_label, "0"), float(labels[scale_label])] = float(match.group(3))
+    return hit_gains(latest)
+
+
 def named_leaks(traces: Path) -> list[str]:
     """Request ids the findings named, with what was found."""
     found = span_events(traces, {names.EVENT_LEAK, names.EVENT_ZOMBIE})
@@ -63,7 +98,7 @@ def named_leaks(traces: Path) -> list[str]:
     return sorted(described)
 
 
-def evaluate(readings: dict[str, dict], tolerances: Tolerances) -> list[str]:
+def evaluate(readings: dict[str, dict], tolerances: Tolerances, gains: dict[str, float] | None = None) -> list[str]:
     problems = []
     for name, tolerance, what in (
         (names.ORPHANED_BLOCKS, tolerances.orphaned_blocks, "orphaned blocks"),
@@ -73,6 +108,13 @@ def evaluate(readings: dict[str, dict], tolerances: Tolerances) -> list[str]:
         for engine, value in sorted(readings.get(name, {}).items(), key=lambda item: str(item[0])):
             if value > tolerance:
                 problems.append(f"engine {engine}: {what} {value:g} > tolerance {tolerance:g}")
+    if tolerances.projected_hit_gain is not None:
+        for engine, gain in sorted((gains or {}).items()):
+            if gain > tolerances.projected_hit_gain:
+                problems.append(
+                    f"engine {engine}: doubling the pool would gain {gain:.3f} of hit ratio "
+                    f"> tolerance {tolerances.projected_hit_gain:g} (the pool is too small for this traffic)"
+                )
     return problems
 
 
@@ -84,22 +126,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-orphaned-blocks", type=int, default=0)
     parser.add_argument("--max-zombie-requests", type=int, default=0)
     parser.add_argument("--max-tail-slack-ratio", type=float, default=0.5)
+    parser.add_argument(
+        "--min-projected-hit-gain",
+        type=float,
+        metavar="X",
+        help="fail if doubling the pool would raise the prefix-cache hit ratio by more than X (0.05: 5 points)",
+    )
     args = parser.parse_args(argv)
-    tolerances = Tolerances(args.max_orphaned_blocks, args.max_zombie_requests, args.max_tail_slack_ratio)
+    tolerances = Tolerances(
+        args.max_orphaned_blocks, args.max_zombie_requests, args.max_tail_slack_ratio, args.min_projected_hit_gain
+    )
 
     if args.otlp_dir:
-        readings = readings_from_otlp(args.otlp_dir)
+        readings, gains = readings_from_otlp(args.otlp_dir), hit_gains_from_otlp(args.otlp_dir)
     else:
         with urllib.request.urlopen(args.prometheus, timeout=30) as response:
-            readings = readings_from_prometheus(response.read().decode())
+            text = response.read().decode()
+        readings, gains = readings_from_prometheus(text), hit_gains_from_prometheus(text)
     if not any(readings.values()):
         print("otel-kvcache gate: FAIL: no otel-kvcache leak metrics found in the telemetry", file=sys.stderr)
         return 2
-    problems = evaluate(readings, tolerances)
+    if tolerances.projected_hit_gain is not None and not gains:
+        print("otel-kvcache gate: FAIL: no projected hit ratios (vllm.kv_cache.prefix_cache.projected_hit_ratio) "
+              "found for --min-projected-hit-gain", file=sys.stderr)  # fmt: skip
+        return 2
+    problems = evaluate(readings, tolerances, gains)
     if not problems:
         print("otel-kvcache gate: PASS: no orphaned blocks or zombie requests beyond tolerance")
         return 0
-    print("otel-kvcache gate: FAIL: KV-cache leak", file=sys.stderr)
+    leaks = [problem for problem in problems if "doubling the pool" not in problem]
+    verdict = "KV-cache leak" if leaks else "the KV pool is too small for this traffic"
+    print(f"otel-kvcache gate: FAIL: {verdict}", file=sys.stderr)
     for problem in problems:
         print(f"  {problem}", file=sys.stderr)
     if args.otlp_dir:

@@ -87,6 +87,24 @@ class KVCacheInstruments:
              self._observe_eviction_age_max),
         ):  # fmt: skip
             meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
+        meter.create_observable_counter(
+            names.PREFIX_CACHE_MISSES,
+            callbacks=[self._observe_misses],
+            unit="{token}",
+            description="Looked-up tokens the prefix cache did not serve, by reason: evicted, cold, uncacheable.",
+        )
+        meter.create_observable_gauge(
+            names.PROJECTED_HIT_RATIO,
+            callbacks=[self._observe_projected_hit_ratio],
+            unit="1",
+            description="Share of the last ten minutes' looked-up tokens a pool of each scale would have hit.",
+        )
+        meter.create_observable_gauge(
+            names.PROJECTED_PREEMPTION_FREE_SCALE,
+            callbacks=[self._observe_preemption_free_scale],
+            unit="1",
+            description="Smallest pool, as a multiple of this one, that the last ten minutes' peak demand fits.",
+        )
         for name, unit, description, field in _FINDING_GAUGES:
             read = attrgetter(f"reconciler.report.{field}")
             meter.create_observable_gauge(
@@ -103,6 +121,27 @@ class KVCacheInstruments:
                 yield Observation(read(engine), engine.attributes)
 
         return observe
+
+    def _observe_misses(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            reuse = engine.reuse
+            for reason, tokens in (
+                (names.MISS_EVICTED, reuse.evicted_tokens),
+                (names.MISS_COLD, reuse.cold_tokens),
+                (names.MISS_UNCACHEABLE, reuse.uncacheable_tokens),
+            ):
+                yield Observation(tokens, {**engine.attributes, names.MISS_REASON: reason})
+
+    def _observe_projected_hit_ratio(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            for scale, ratio in engine.reuse.projected_hit_ratios().items():
+                yield Observation(ratio, {**engine.attributes, names.POOL_SCALE: scale})
+
+    def _observe_preemption_free_scale(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            scale = engine.reuse.preemption_free_scale()
+            if scale is not None:
+                yield Observation(scale, engine.attributes)
 
     def _observe_kv_memory(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):

@@ -75,6 +75,26 @@ def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod)
     return build
 
 
+def _after_first(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
+    """After vLLM's call, ``on_call(engine, <vLLM's first argument>)``: for a method whose
+    later parameters vary between vLLM releases and are none of ours."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    on_call(engine, args[0])
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
 def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMethod) -> MethodBuilder:
     """After vLLM's call, ``on_result(engine, <vLLM's result>)``."""
 
@@ -178,7 +198,7 @@ def build_wrappers(
         "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
         "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
         "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),
-        "admission_attempt": lambda hook: _after_call(hook, errors, Engine.on_admission_attempt),
+        "admission_attempt": lambda hook: _after_first(hook, errors, Engine.on_admission_attempt),
         "prefix_lookup": lambda hook: _after_call(hook, errors, Engine.on_prefix_cache_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, Pool.before_evicting),
         "queue_prepend": lambda hook: _tracking_pool(hook, errors, Pool.before_prepending),

@@ -34,6 +34,8 @@ FIELDS = (
     "preemptions",
     "recomputed_tokens",
     "stalls",
+    "evicted_tokens",  # prefix-lookup misses by reason (``whatif.py``)
+    "cold_tokens",
     "still_held",
     # The first admission and the release, as events: when, blocks, prefix-hit
     # tokens (admission), and the pool's free blocks then (its used ones are the
@@ -64,6 +66,8 @@ FIELDS = (
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
     STALLS,
+    EVICTED_TOKENS,
+    COLD_TOKENS,
     STILL_HELD,
     ADMITTED_NS,
     ADMITTED_BLOCKS,

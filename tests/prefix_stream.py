@@ -1,0 +1,74 @@
+"""A recorded request stream whose prefixes repeat at many distances, replayed through vLLM.
+
+Half the requests open with one of twelve system prompts, picked by a Zipf law
+(a few are shared by most requests, the rest seldom); the other half are turns
+of forty chats, each turn's prompt the last one's, an answer and a new
+question, so a chat's prefix comes back after however many other requests
+arrived in between. The stream is fixed (seeded) and independent of the pool:
+the same prompts arrive at the same steps whatever the pool's size.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+from engine_harness import EngineHarness
+from harness.scheduler import VOCAB_SIZE, make_model_config, make_scheduler
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
+BLOCK_SIZE = 16
+POOL_BLOCKS = 600
+"""The pool the instrumented replay runs with: it evicts, and preempts at half its size."""
+ARRIVALS_PER_STEP = 2
+
+
+def prompts(count: int = 900, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+
+    def text(tokens: int) -> list[int]:
+        return [rng.randrange(VOCAB_SIZE) for _ in range(tokens)]
+
+    systems = [text(6 * BLOCK_SIZE) for _ in range(12)]
+    zipf = [1 / (rank + 1) ** 1.1 for rank in range(len(systems))]
+    chats: dict[int, list[int]] = {}
+    stream = []
+    for _ in range(count):
+        if rng.random() < 0.45:
+            stream.append(rng.choices(systems, zipf)[0] + text(rng.randrange(20, 50)))
+            continue
+        chat = rng.randrange(40)
+        history = chats.get(chat)
+        if history is None or len(history) > 1500:  # a new conversation
+            history = text(2 * BLOCK_SIZE)
+        prompt = history + text(rng.randrange(20, 60))
+        chats[chat] = prompt + text(BLOCK_SIZE)  # the answer, as the next turn sends it back
+        stream.append(prompt)
+    return stream
+
+
+def replay(engine: EngineHarness) -> EngineHarness:
+    """Feeds the stream to ``engine``, ``ARRIVALS_PER_STEP`` requests a step, to the end."""
+    for index, prompt in enumerate(prompts()):
+        engine.add(
+            Request(
+                request_id=f"stream-{index}",
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
+                pooling_params=None,
+                block_hasher=engine.block_hasher,
+            )
+        )
+        if index % ARRIVALS_PER_STEP == ARRIVALS_PER_STEP - 1:
+            engine.step()
+    engine.run(5000)
+    return engine
+
+
+def measured_hit_ratio(num_blocks: int) -> float:
+    """vLLM's own hit ratio (its ``PrefixCacheStats``) for the stream on an uninstrumented
+    pool of ``num_blocks``; run in a fresh process, where nothing is instrumented."""
+    scheduler = make_scheduler(make_model_config(tempfile.mkdtemp()), num_blocks=num_blocks, max_num_seqs=32)
+    engine = replay(EngineHarness(scheduler))
+    return engine.truth.prefix_hits / engine.truth.prefix_queries

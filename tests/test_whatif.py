@@ -1,0 +1,138 @@
+"""Miss reasons, the what-if curve and who preempted whom, against vLLM's own numbers.
+
+The curve is checked against the truth: the same recorded stream replayed by
+real schedulers with pools of other sizes, uninstrumented, each in a fresh
+process, their hit ratios taken from vLLM's ``PrefixCacheStats``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import prefix_stream
+from otel_kvcache import names
+from otel_kvcache.whatif import SCALES
+
+TOLERANCE = 0.05
+CHECKED_SCALES = (0.5, 2.0, 4.0)
+
+
+def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(make_engine, telemetry, tmp_path, capsys):
+    sizes = [int(scale * prefix_stream.POOL_BLOCKS) for scale in CHECKED_SCALES]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:  # uninstrumented: a process of their own
+        measured = pool.map_async(prefix_stream.measured_hit_ratio, sizes)
+        engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
+        measured = dict(zip(CHECKED_SCALES, measured.get(timeout=600)))
+
+    projected = {p.attributes[names.POOL_SCALE]: p.value for p in telemetry.points(names.PROJECTED_HIT_RATIO)}
+    assert sorted(projected) == sorted(SCALES)
+    assert abs(projected[1.0] - engine.truth.prefix_hits / engine.truth.prefix_queries) < 1e-9
+    with capsys.disabled():  # the README quotes these
+        print("\nscale  projected  measured by vLLM")
+        for scale in CHECKED_SCALES:
+            print(f"{scale:5}  {projected[scale]:.3f}      {measured[scale]:.3f}")
+    assert measured[4.0] - measured[0.5] > 0.3, "the stream must make the pool's size matter"
+    for scale in CHECKED_SCALES:
+        assert abs(projected[scale] - measured[scale]) < TOLERANCE, (scale, projected, measured)
+    # Half the pool preempted in vLLM (the stream's peak demand does not fit it): so says the gauge.
+    [free_scale] = [p.value for p in telemetry.points(names.PROJECTED_PREEMPTION_FREE_SCALE)]
+    assert 0.5 < free_scale <= 1.0
+
+    # The gate fails this load test when doubling the pool would gain more than it allows.
+    from otel_kvcache import gate
+
+    telemetry.write_otlp_json(tmp_path)
+    gain = projected[2.0] - projected[1.0]
+    assert gate.main(["--otlp-dir", str(tmp_path), "--min-projected-hit-gain", f"{gain + 0.01}"]) == 0
+    assert gate.main(["--otlp-dir", str(tmp_path), "--min-projected-hit-gain", f"{gain - 0.01}"]) == 1
+    assert "the KV pool is too small for this traffic" in capsys.readouterr().err
+
+
+def test_the_miss_reasons_add_up_to_vllms_misses(make_engine, telemetry):
+    engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
+    misses = {
+        reason: telemetry.total(names.PREFIX_CACHE_MISSES, **{names.MISS_REASON: reason})
+        for reason in (names.MISS_EVICTED, names.MISS_COLD, names.MISS_UNCACHEABLE)
+    }
+    assert sum(misses.values()) == engine.truth.prefix_queries - engine.truth.prefix_hits
+    assert engine.events.removed_hashes and misses[names.MISS_EVICTED]  # vLLM evicted: some misses say so
+    spans = telemetry.kv_spans()
+    assert sum(s.attributes[names.PREFIX_EVICTED_TOKENS] for s in spans) == misses[names.MISS_EVICTED]
+    assert sum(s.attributes[names.PREFIX_COLD_TOKENS] for s in spans) == misses[names.MISS_COLD]
+
+
+def test_a_pool_that_never_evicts_has_no_evicted_misses(make_engine, telemetry):
+    engine = make_engine(num_blocks=4096)
+    for turn in range(3):  # the same prefix again and again, and new ones
+        for chat in range(4):
+            engine.add(engine.make_request(f"chat-{chat}-{turn}", prompt_len=90 + 40 * turn, shared_prefix=64))
+        engine.run()
+    assert engine.events.removed_hashes == 0  # vLLM's own KV events: nothing was evicted
+    block_size = engine.block_size
+    for span in telemetry.kv_spans():
+        a = span.attributes
+        assert a[names.PREFIX_EVICTED_TOKENS] == 0
+        cacheable = (a[names.INPUT_TOKENS] - 1) // block_size * block_size
+        assert a[names.PREFIX_COLD_TOKENS] == cacheable - a[names.CACHE_READ_INPUT_TOKENS]
+
+
+def test_evicted_tokens_are_the_tokens_that_would_have_hit(model_config, make_engine, telemetry):
+    """A prompt comes back after a flood evicted it: its evicted tokens are what vLLM hits
+    for it, on the same pool, when nothing came in between."""
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
+
+    def first_then_again(engine, flood: bool) -> None:
+        engine.add(engine.make_request("first", prompt_len=150, shared_prefix=150, max_tokens=2))
+        engine.run()
+        if flood:  # unrelated prompts that need every block of the pool
+            for index in range(6):
+                engine.add(engine.make_request(f"flood-{index}", prompt_len=160, max_tokens=2))
+                engine.run()
+        engine.add(engine.make_request("again", prompt_len=150, shared_prefix=150, max_tokens=2))
+        engine.run()
+
+    flooded = make_engine(num_blocks=32)
+    first_then_again(flooded, flood=True)
+    quiet = EngineHarness(make_scheduler(model_config, num_blocks=32))
+    hits_before = quiet.truth.prefix_hits
+    first_then_again(quiet, flood=False)
+    would_have_hit = quiet.truth.prefix_hits - hits_before
+    assert would_have_hit > 0 and flooded.events.removed_hashes > 0
+
+    again = [s for s in telemetry.kv_spans() if s.attributes[names.REQUEST_ID] == "again"]
+    flooded_again = again[0].attributes  # the flooded engine's request ended first
+    assert flooded_again[names.CACHE_READ_INPUT_TOKENS] == 0
+    assert flooded_again[names.PREFIX_EVICTED_TOKENS] == would_have_hit
+    assert flooded_again[names.PREFIX_COLD_TOKENS] == 0
+
+
+def test_a_preemption_names_and_links_the_request_vllm_was_scheduling(make_engine, telemetry):
+    engine = make_engine(num_blocks=12, max_num_seqs=2)
+    engine.add(engine.make_request("early", prompt_len=40, max_tokens=100))
+    engine.step()
+    engine.add(engine.make_request("late", prompt_len=50, max_tokens=100))  # fills the last block first
+    scheduled_when_preempted: dict[str, list[set]] = {}
+    while engine.scheduler.has_requests():
+        output = engine.step()
+        for request_id in output.preempted_req_ids or ():
+            # vLLM's own record of the step: what it scheduled while it preempted.
+            scheduled_when_preempted.setdefault(request_id, []).append(set(output.num_scheduled_tokens))
+    assert scheduled_when_preempted, "the pool must be small enough to preempt"
+    spans, named, linked = telemetry.span_by_request(), 0, 0
+    for victim, steps in scheduled_when_preempted.items():
+        events = [e for e in spans[victim].events if e.name == names.EVENT_PREEMPTED]
+        assert len(events) == len(steps) == engine.requests[victim].num_preemptions
+        preemptors = set()
+        for event, scheduled in zip(events, steps):
+            preemptor = event.attributes.get(names.PREEMPTED_FOR)
+            if preemptor is not None:  # absent: vLLM preempted the request it was scheduling
+                assert preemptor != victim and preemptor in scheduled
+                preemptors.add(preemptor)
+        named += len(preemptors)
+        ended_first = {p for p in preemptors if spans[p].end_time < spans[victim].end_time}
+        assert {link.attributes[names.REQUEST_ID] for link in spans[victim].links} == ended_first
+        linked += len(spans[victim].links)
+        for link in spans[victim].links:
+            assert link.context.span_id == spans[link.attributes[names.REQUEST_ID]].context.span_id
+    assert named and linked, "some preemption must have been for another request, which ended first"

@@ -5,7 +5,8 @@
 ``scripts/demo.sh`` builds the environment first if it needs to, then runs
 ``python -m demo``. Spans and metrics go to OTLP JSON files in ``DIR/otlp``
 through a local OTLP receiver, unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set:
-then they go to that collector, and the report is left to your backend.
+then they go to that collector, and the report is left to your backend;
+otherwise the table is printed and ``DIR/report.html`` written (``otel-kvcache report``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from demo.server import (
 )
 from demo.tiny_model import make_tiny_model
 from otel_kvcache import gate
+from otel_kvcache.report.build import write as write_report
 
 SHORT_LOAD = LoadShape(chats=4, turns=3, chat_max_tokens=96, burst=4, burst_max_tokens=16, streams=2)
 
@@ -39,7 +41,8 @@ DESCRIPTION = """\
 The main job: makes a tiny random-weight llama, serves it with vLLM's OpenAI
 server on the CPU under opentelemetry-instrument, loads it (requests sharing one
 system prompt, multi-turn chats, streaming clients that leave mid-answer), then
-prints each request's KV span, the pool's metrics and the leak gate's verdict.
+prints each request's KV span, the pool's metrics and the leak gate's verdict,
+and writes a picture of it all to OUT/report.html.
 scripts/demo.sh builds the environment (.venv) first if it needs to."""
 
 EPILOG = f"""\
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
     print(f"leak gate (otel-kvcache-gate --otlp-dir {otlp}):")
     leaks = gate.main(["--otlp-dir", str(otlp)])
+    write_report(otlp, args.out / "report.html")
+    print(f"report (otel-kvcache report --otlp-dir {otlp}): {args.out / 'report.html'}")
     return 0 if len(spans) == len(sent) and leaks == 0 else 1
 
 

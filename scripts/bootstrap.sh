@@ -46,5 +46,5 @@ case "$VLLM_SPEC" in
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
     ;;
 esac
-"${pip[@]}" install -e ".[test]"
+"${pip[@]}" install -e ".[test,report]"
 echo "$want" > "$stamp"

@@ -1,14 +1,17 @@
 """README command 1 runs to completion, the table it prints is what the OTLP files hold,
-and every KV span keeps its HTTP request's server span as parent."""
+every KV span keeps its HTTP request's server span as parent, and the report it writes
+holds the table's totals and draws in a browser."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from headless_chromium import open_and_check
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,3 +111,40 @@ def test_readme_command_1_keeps_every_kv_span_under_its_http_span(main_job):
         assert parent is not None, f"{request_id}: parent {span.get('parentSpanId')} not exported"
         assert parent["kind"] == "SPAN_KIND_SERVER", (request_id, parent["name"], parent["kind"])
         assert parent["name"].startswith("POST /v1/"), (request_id, parent["name"])
+
+
+def _printed_totals(stdout: str) -> dict:
+    """The pool summary the main job printed under the table, and its row count."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("request id")) + 2
+    pool = dict(re.findall(r"^  (\w[\w ]*\w)\s+(\d+)$", stdout, re.M))
+    return {
+        "requests": lines.index("", start) - start,
+        "pool_blocks": int(re.search(r"^pool: (\d+) blocks$", stdout, re.M).group(1)),
+        "peak_used_blocks": int(pool["peak used blocks"]),
+        "peak_cached_blocks": int(pool["peak cached blocks"]),
+        "evictions": int(pool["evictions"]),
+        "preemptions": int(pool["preemptions"]),
+        "allocation_stalls": int(pool["allocation stalls"]),
+        "leak_gate": "PASS" if "otel-kvcache gate: PASS" in stdout else "FAIL",
+    }
+
+
+def test_readme_command_1_writes_a_report_with_the_tables_totals(main_job):
+    result, out = main_job
+    report = out / "report.html"
+    assert f"report (otel-kvcache report --otlp-dir {out / 'otlp'}): {report}" in result.stdout
+    page = report.read_text()
+    summary = json.loads(re.search(r'<script type="application/json" id="summary">(.*?)</script>', page, re.S).group(1))
+    printed = _printed_totals(result.stdout)
+    assert {key: summary[key] for key in printed} == printed
+    spans = _spans_in(out / "otlp" / "traces.jsonl")
+    finishes = [attrs["vllm.request.finish_reason"] for attrs in spans.values()]
+    assert summary["finish_reasons"] == {reason: finishes.count(reason) for reason in set(finishes)}
+
+
+def test_readme_command_1_report_draws_in_headless_chromium(main_job):
+    _, out = main_job
+    # No GPU here: no device chart; the what-if curve when the capacity gauge is exported.
+    shares = open_and_check(out / "report.html", {"pool", "timeline", "distributions"}, frozenset({"whatif"}))
+    assert all(share > 0.005 for share in shares.values()), shares

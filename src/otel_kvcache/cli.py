@@ -5,16 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from otel_kvcache.report import command as report
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="otel-kvcache", description="OpenTelemetry for vLLM's KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("doctor", help="what the installed vLLM offers the instrumentation, and what it would export")
+    report.add_arguments(
+        commands.add_parser("report", help="one HTML file: what the KV cache did, from OTLP JSON files")
+    )
     arguments = parser.parse_args(argv)
     if arguments.command == "doctor":
         from otel_kvcache.doctor import main as doctor
 
         return doctor()
+    if arguments.command == "report":
+        return report.run(arguments)
     return 2
 
 

@@ -1,0 +1,184 @@
+"""OTLP JSON lines written as the collector's file exporter writes them, for report tests.
+
+One line per export request; the encoding of ``demo/otlp_sink.py`` (ids in
+hex, int64 as strings). ``Run`` lays out a small load: a pool that fills, a
+request preempted and resumed, an aborted one, a leak finding, NVML readings
+and, optionally, the capacity what-if gauge.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from otel_kvcache import names
+
+T0 = 1_796_000_000_000_000_000
+SECOND = 1_000_000_000
+
+
+def value(v) -> dict:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    return {"stringValue": str(v)}
+
+
+def attrs(mapping: dict) -> list[dict]:
+    return [{"key": k, "value": value(v)} for k, v in mapping.items()]
+
+
+def event(name: str, at: float, **attributes) -> dict:
+    return {"timeUnixNano": str(T0 + int(at * SECOND)), "name": name, "attributes": attrs(attributes)}
+
+
+def kv_span(request_id: str, trace: int, start: float, end: float, finish: str, events: list[dict], **span_attrs) -> dict:
+    attributes = {
+        names.REQUEST_ID: request_id,
+        names.INPUT_TOKENS: span_attrs.get("prompt", 64),
+        names.CACHE_READ_INPUT_TOKENS: span_attrs.get("hit", 0),
+        names.BLOCKS_PEAK: span_attrs.get("peak", 4),
+        names.PREEMPTIONS: span_attrs.get("preemptions", 0),
+        names.ALLOCATION_STALLS: span_attrs.get("stalls", 0),
+        names.FINISH_REASON: finish,
+    }
+    return {
+        "traceId": f"{trace:032x}",
+        "spanId": f"{trace:016x}",
+        "name": names.KV_REQUEST_SPAN,
+        "kind": "SPAN_KIND_INTERNAL",
+        "startTimeUnixNano": str(T0 + int(start * SECOND)),
+        "endTimeUnixNano": str(T0 + int(end * SECOND)),
+        "attributes": attrs(attributes),
+        "events": events,
+    }
+
+
+def traces_request(spans: list[dict], engine: int = 0) -> dict:
+    resource = {names.PROCESS_ROLE: names.ROLE_ENGINE_CORE, names.ENGINE_INDEX: engine}
+    return {
+        "resourceSpans": [
+            {"resource": {"attributes": attrs(resource)},
+             "scopeSpans": [{"scope": {"name": names.METER_SCOPE}, "spans": spans}]}
+        ]
+    }  # fmt: skip
+
+
+def gauge(name: str, at: float, points: list[tuple[float, dict]]) -> dict:
+    data_points = [
+        {"timeUnixNano": str(T0 + int(at * SECOND)), **_number(v), "attributes": attrs(a)} for v, a in points
+    ]
+    return {"name": name, "gauge": {"dataPoints": data_points}}
+
+
+def counter(name: str, at: float, total: float, engine: int = 0) -> dict:
+    point = {"startTimeUnixNano": str(T0), "timeUnixNano": str(T0 + int(at * SECOND)), **_number(total),
+             "attributes": attrs({names.ENGINE_INDEX: engine})}  # fmt: skip
+    return {"name": name, "sum": {"dataPoints": [point], "aggregationTemporality": "AGGREGATION_TEMPORALITY_CUMULATIVE",
+                                  "isMonotonic": True}}  # fmt: skip
+
+
+def _number(v) -> dict:
+    return {"asInt": str(v)} if isinstance(v, int) else {"asDouble": v}
+
+
+def metrics_request(metrics: list[dict], scope: str = names.METER_SCOPE) -> dict:
+    return {"resourceMetrics": [{"resource": {"attributes": attrs({names.PROCESS_ROLE: names.ROLE_ENGINE_CORE})},
+                                 "scopeMetrics": [{"scope": {"name": scope}, "metrics": metrics}]}]}  # fmt: skip
+
+
+def write_lines(path: Path, requests: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+
+
+@dataclass
+class Run:
+    """A small load on a 16-block pool, over six seconds."""
+
+    with_what_if: bool = True
+    pool: list[tuple[int, int, int]] = field(
+        default_factory=lambda: [(0, 0, 16), (6, 2, 8), (12, 3, 1), (16, 0, 0), (5, 9, 2), (0, 10, 6)]
+    )
+    """(used, cached, free) at each second's export."""
+    preemptions: list[int] = field(default_factory=lambda: [0, 0, 1, 2, 2, 2])
+    stalls: list[int] = field(default_factory=lambda: [0, 0, 4, 9, 9, 9])
+    evictions: list[int] = field(default_factory=lambda: [0, 0, 0, 3, 5, 5])
+    hits: list[int] = field(default_factory=lambda: [0, 32, 64, 96, 96, 160])
+    queries: list[int] = field(default_factory=lambda: [0, 64, 128, 256, 320, 320])
+    zombies: list[int] = field(default_factory=lambda: [0, 0, 0, 0, 1, 1])
+    scales: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+    def spans(self) -> list[dict]:
+        free_used = lambda free, used: {names.POOL_FREE_BLOCKS: free, names.POOL_USED_BLOCKS: used}  # noqa: E731
+        return [
+            kv_span("req-a", 1, 0.9, 2.5, "stop", [
+                event(names.EVENT_ADMITTED, 1.0, **{names.BLOCKS: 4, names.EVENT_PREFIX_HIT_TOKENS: 0}, **free_used(12, 4)),
+                event(names.EVENT_RELEASED, 2.5, **{names.BLOCKS: 6}, **free_used(4, 10)),
+            ], peak=6),
+            kv_span("req-b", 2, 1.2, 4.4, "length", [
+                event(names.EVENT_ADMITTED, 1.3, **{names.BLOCKS: 5, names.EVENT_PREFIX_HIT_TOKENS: 32}, **free_used(7, 9)),
+                event(names.EVENT_PREEMPTED, 2.2, **{names.BLOCKS: 6}, **free_used(1, 15)),
+                event(names.EVENT_RESUMED, 3.1, **{names.BLOCKS: 6, names.EVENT_PREFIX_HIT_TOKENS: 64}, **free_used(2, 14)),
+                event(names.EVENT_PREEMPTED, 3.3, **{names.BLOCKS: 7}, **free_used(0, 16)),
+                event(names.EVENT_RESUMED, 3.6, **{names.BLOCKS: 7, names.EVENT_PREFIX_HIT_TOKENS: 96}, **free_used(3, 13)),
+                event(names.EVENT_RELEASED, 4.4, **{names.BLOCKS: 8}, **free_used(11, 5)),
+            ], prompt=100, hit=96, peak=8, preemptions=2, stalls=9),
+            kv_span("req-c", 3, 2.0, 2.6, "abort", [
+                event(names.EVENT_ADMITTED, 2.1, **{names.BLOCKS: 1, names.EVENT_PREFIX_HIT_TOKENS: 0}, **free_used(0, 16)),
+                event(names.EVENT_RELEASED, 2.6, **{names.BLOCKS: 1}, **free_used(4, 12)),
+            ], prompt=20, peak=1),
+            kv_span("req-d", 4, 3.5, 4.9, "stop", [
+                event(names.EVENT_ADMITTED, 3.9, **{names.BLOCKS: 3, names.EVENT_PREFIX_HIT_TOKENS: 48}, **free_used(1, 15)),
+                event(names.EVENT_RELEASED, 4.8, **{names.BLOCKS: 3}, **free_used(9, 7)),
+                event(names.EVENT_LEAK, 4.8, **{names.REQUEST_ID: "req-d", names.BLOCKS: 2}),
+            ], prompt=64, hit=48, peak=3),
+        ]
+
+    def finding(self) -> dict:
+        """A zombie finding about req-a, on a finding span after its own span ended."""
+        span = kv_span("req-a", 1, 4.5, 4.5, "stop", [
+            event(names.EVENT_ZOMBIE, 4.5, **{names.REQUEST_ID: "req-a", names.BLOCKS: 2}),
+        ])  # fmt: skip
+        span["name"], span["attributes"] = names.FINDING_SPAN, []
+        return span
+
+    def metrics(self) -> list[dict]:
+        requests = []
+        for second, (used, cached, free) in enumerate(self.pool):
+            engine = {names.ENGINE_INDEX: 0}
+            metrics = [
+                gauge(names.BLOCKS, second, [(n, {**engine, names.BLOCK_STATE: state})
+                                             for n, state in zip((used, cached, free), names.BLOCK_STATES)]),
+                gauge(names.BLOCKS_LIMIT, second, [(16, engine)]),
+                counter(names.PREEMPTIONS, second, self.preemptions[second]),
+                counter(names.ALLOCATION_STALLS, second, self.stalls[second]),
+                counter(names.EVICTIONS, second, self.evictions[second]),
+                counter(names.PREFIX_CACHE_HITS, second, self.hits[second]),
+                counter(names.PREFIX_CACHE_QUERIES, second, self.queries[second]),
+                gauge(names.ORPHANED_BLOCKS, second, [(0, engine)]),
+                gauge(names.ZOMBIE_REQUESTS, second, [(self.zombies[second], engine)]),
+                gauge(names.TAIL_SLACK_RATIO, second, [(0.1, engine)]),
+            ]  # fmt: skip
+            if self.with_what_if and second >= 3:
+                metrics.append(gauge(names.PROJECTED_HIT_RATIO, second, [
+                    (min(1.0, 0.3 + 0.1 * second * scale ** 0.5), {**engine, names.POOL_SCALE: scale})
+                    for scale in self.scales
+                ]))  # fmt: skip
+            requests.append(metrics_request(metrics))
+            device = {names.HW_ID_ATTRIBUTE: "GPU-0", names.HW_TYPE_ATTRIBUTE: names.HW_TYPE_GPU}
+            requests.append(metrics_request([
+                gauge(names.GPU_MEMORY_USAGE, second + 0.1, [(int(120.5 * 2**30), device)]),
+                gauge(names.GPU_MEMORY_LIMIT, second + 0.1, [(141 * 2**30, device)]),
+            ], scope="otel_kvcache.gpu"))  # fmt: skip
+        return requests
+
+    def write(self, directory: Path) -> Path:
+        write_lines(directory / "traces.jsonl", [traces_request(self.spans()[:2]),
+                                                 traces_request(self.spans()[2:] + [self.finding()])])  # fmt: skip
+        write_lines(directory / "metrics.jsonl", self.metrics())
+        return directory

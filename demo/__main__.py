@@ -23,12 +23,21 @@ from rich.console import Console
 
 from demo.load import LoadShape, run_load
 from demo.otlp_sink import OTLPSink
-from demo.report import format_summary, format_table, kv_spans, pool_summary, request_rows
+from demo.report import (
+    format_curve,
+    format_summary,
+    format_table,
+    kv_spans,
+    pool_summary,
+    projected_curve,
+    request_rows,
+)
 from demo.server import (
     EXCLUDE_ASGI_SPANS,
     EXCLUDED_ASGI_SPANS,
     ServerConfig,
     VLLMServer,
+    prefix_cache_hit_ratio,
     requests_ended_on_their_own,
 )
 from demo.tiny_model import make_tiny_model
@@ -114,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             sent = asyncio.run(run_load(server.url, str(model), shape, progress=progress.note))
         # vLLM's own view, to read the table against: which requests its engine ended.
         time.sleep(1)  # the API server's stats trail the last responses
-        ended_in_engine = requests_ended_on_their_own(server.metrics_text())
+        metrics_text = server.metrics_text()
+        ended_in_engine = requests_ended_on_their_own(metrics_text)
+        vllm_hit_ratio = prefix_cache_hit_ratio(metrics_text)
     finally:
         with progress.step("stopping vLLM; its processes flush their telemetry"):
             server.stop()
@@ -135,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(request_rows(spans, scenario_by_trace)))
     print()
     print(format_summary(pool_summary(otlp / "metrics.jsonl")))
+    print()
+    curve, free_scale = projected_curve(otlp / "metrics.jsonl")
+    print(format_curve(curve, free_scale, vllm_hit_ratio))
     print()
     ended = ", ".join(f"{reason} {count}" for reason, count in sorted(ended_in_engine.items()))
     print(f"vLLM's /metrics, requests its engine ended (vllm:request_success_total): {ended or 'none'};")

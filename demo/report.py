@@ -12,7 +12,15 @@ from pathlib import Path
 from otel_kvcache import names
 from otel_kvcache.otlp_json import kv_spans, latest_per_engine, metric_points
 
-__all__ = ["kv_spans", "pool_summary", "request_rows", "format_table", "format_summary"]
+__all__ = [
+    "kv_spans",
+    "pool_summary",
+    "request_rows",
+    "format_table",
+    "format_summary",
+    "projected_curve",
+    "format_curve",
+]
 
 
 @dataclass
@@ -85,3 +93,32 @@ def format_summary(summary: PoolSummary) -> str:
             f"  allocation stalls     {summary.allocation_stalls}",
         ]
     )
+
+
+def projected_curve(metrics_path: Path) -> tuple[dict[float, float], float | None]:
+    """The last what-if reading: scale -> projected hit ratio, and the pool scale that
+    fits the peak demand."""
+    latest: dict[float, dict] = {}
+    for point in metric_points(metrics_path, names.PROJECTED_HIT_RATIO):
+        scale = float(point["attributes"][names.POOL_SCALE])
+        if scale not in latest or point["time"] >= latest[scale]["time"]:
+            latest[scale] = point
+    fits = latest_per_engine(metric_points(metrics_path, names.PROJECTED_PREEMPTION_FREE_SCALE))
+    free_scale = max((p["value"] for p in fits.values()), default=None)
+    return {scale: point["value"] for scale, point in sorted(latest.items())}, free_scale
+
+
+def format_curve(curve: dict[float, float], free_scale: float | None, measured: float | None) -> str:
+    """``measured``: vLLM's own hit ratio (its /metrics), beside the projection at 1x, which
+    also counts the lookups of preempted requests coming back (vLLM's ``PrefixCacheStats``
+    keeps those apart, and its /metrics leaves them out)."""
+    if not curve:
+        return "what if the pool were larger: no prefix lookups were counted"
+    lines = ["what if the pool were larger (vllm.kv_cache.prefix_cache.projected_hit_ratio, last 10 min):"]
+    lines.append("  pool scale  projected hit ratio")
+    for scale, ratio in curve.items():
+        note = f"   (vLLM's /metrics, first admissions only: {measured:.3f})" if scale == 1.0 and measured else ""
+        lines.append(f"  {scale:>9g}x  {ratio:.3f}{note}")
+    if free_scale is not None:
+        lines.append(f"  a pool {free_scale:.2f}x this one would have held the peak demand without preemptions")
+    return "\n".join(lines)

@@ -162,3 +162,12 @@ def requests_ended_on_their_own(metrics_text: str) -> dict[str, int]:
         reason = sample.labels["finished_reason"]
         counts[reason] = counts.get(reason, 0) + int(sample.value)
     return {reason: count for reason, count in counts.items() if count}
+
+
+def prefix_cache_hit_ratio(metrics_text: str) -> float | None:
+    """vLLM's own prefix-cache hit ratio: ``vllm:prefix_cache_hits_total`` over its queries."""
+    hits, queries = (
+        sum(sample.value for sample in prometheus_samples(metrics_text, name))
+        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    )
+    return hits / queries if queries else None

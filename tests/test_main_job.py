@@ -89,6 +89,11 @@ def test_readme_command_1_prints_the_exported_spans(main_job):
         1: "the other one was aborted when its client left",
     }.get(len(left), f"the other {len(left)} were aborted when their clients left")
     assert "peak used blocks" in result.stdout
+    # The what-if curve, its 1x point beside vLLM's own hit ratio (its /metrics, which leaves out
+    # preempted requests' lookups: close, not equal; tests/test_whatif.py checks it exactly).
+    [at_1x] = [line for line in lines if line.strip().startswith("1x ")]
+    projected, vllms = float(at_1x.split()[1]), float(at_1x.rsplit(" ", 1)[1].rstrip(")"))
+    assert "vLLM's /metrics" in at_1x and abs(projected - vllms) < 0.05
     assert "starting vLLM" in result.stderr  # the progress display
 
 

@@ -125,8 +125,7 @@ class EngineTelemetry:
         self.reconciler = Reconciler(self, scheduler)
         rate = config.whatif_sample_rate()
         self.reuse = PrefixReuse(self.pool.limit, default_sample_rate(self.pool.limit) if rate is None else rate)
-        """Miss reasons and the what-if curve, fed by the lookups here and the pool's frees."""
-        self.pool.reuse = self.reuse
+        """Miss reasons and the what-if curve, fed by the lookups and the frees here."""
         self.preempted_blocks: dict[str, int] = {}
         """Blocks each preempted request gave back, until it runs again: demand the pool lacked."""
         self.preempted_demand = 0
@@ -263,6 +262,7 @@ class EngineTelemetry:
         tally[PREEMPTIONS] += 1
         tally[RECOMPUTED_TOKENS] += computed
         close_admission_period(tally, released)
+        self.reuse.on_freed(reversed(request.block_hashes[: computed // self.block_size]))
         self.event(request.request_id, names.EVENT_PREEMPTED, released, (computed, preempted_for))
 
     def before_release(self, request: Any) -> int:
@@ -281,6 +281,8 @@ class EngineTelemetry:
         tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
         tally[STILL_HELD] = self.held_blocks(request_id)
+        if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
+            self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))
         tally[INPUT_TOKENS] = request.num_prompt_tokens
         tally[OUTPUT_TOKENS] = request.num_output_tokens
         self.computed_tokens += request.num_computed_tokens + tally[RECOMPUTED_TOKENS]

@@ -54,12 +54,9 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from operator import attrgetter, countOf
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from otel_kvcache.vllm_compat import block_hash_reader, free_queue, pool_size, usable_blocks
-
-if TYPE_CHECKING:
-    from otel_kvcache.whatif import PrefixReuse
 
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64
@@ -135,7 +132,6 @@ class PoolTracker:
         "_eager_appends",
         "_unpinning",
         "_hit",
-        "reuse",
     )
 
     def __init__(self, pool: Any) -> None:
@@ -146,8 +142,6 @@ class PoolTracker:
         self.eviction_age_sum = 0.0
         self.eviction_age_max = 0.0
         self._block_hash = block_hash_reader(pool.blocks[0])
-        self.reuse: PrefixReuse | None = None
-        """Told each block freed into the prefix cache, in order (``whatif.py``)."""
         self._unpinning = False
         # Block id -> the block's hash (its prefix) when a prefix hit last reused it:
         # void once the block holds another hash, i.e. was evicted since.
@@ -276,9 +270,7 @@ class PoolTracker:
             self._runs.append(run)
             self._queued += queued
             self.cached += live
-            if self.reuse is not None:
-                hashes = map(self._block_hash, blocks)
-                self.reuse.on_freed(hashes if live == queued else filter(None, hashes))
+
 
     def _index_new_runs(self) -> None:
         """Which run each block of the runs not yet indexed (the newest ones) is in."""

@@ -1,49 +1,55 @@
 """Why prefix lookups missed, and what a pool of another size would have hit.
 
-vLLM's prefix cache is an LRU cache of block hashes: a freed block that holds a
-prefix joins the back of the free queue and is evicted when the queue's head
-reaches it. Two questions follow from the order blocks were freed in.
+vLLM's prefix cache is an LRU cache of block hashes: a request's blocks join
+the back of the free queue when it ends (or is preempted), deepest first, and
+a block is evicted when the queue's head reaches it. Both answers here follow
+from that order, fed by the engine at each release, preemption and lookup.
 
-**Miss reasons.** ``recently_freed`` remembers the hashes of the last
-``HISTORY_PER_BLOCK`` × pool-size distinct blocks that were freed into the
-prefix cache (a 64-bit hash each, not vLLM's objects). A looked-up block that
-missed is ``evicted`` if its hash is remembered (it was cached, and gone by the
-time this request asked), ``cold`` if not. A block freed longer ago than the
-history reaches counts as cold: the history's only error, bounded by its size.
-Tokens vLLM never serves from the cache (the tail that does not fill a block,
-the last token, everything when a request skips the cache) are
-``uncacheable``. The three add up to vLLM's queries minus its hits.
+**Miss reasons.** Two generations of hash sets remember the blocks freed
+lately: between ``HISTORY_PER_BLOCK / 2`` and ``HISTORY_PER_BLOCK`` × pool
+distinct blocks (references to vLLM's own hash objects, about 80 bytes each).
+A looked-up block that missed is ``evicted`` if it is remembered (it was
+cached, and gone by the time this request asked), ``cold`` if not; a block
+freed longer ago than the history reaches counts as cold, the history's only
+error. Tokens vLLM never serves from the cache (the tail that does not fill a
+block, the last token) are ``uncacheable``. The three add up to vLLM's
+queries minus its hits.
 
 **The what-if curve**, a miss-ratio curve built the way caches build one
-online (SHARDS, Waldspurger et al., FAST '15): a block hash is sampled when
-its hash falls under ``sample_rate`` of the hash space, the same blocks every
-time. For the sampled blocks, ``_stack`` orders the blocks not in use by their
-last free, most recent on top. A looked-up block ``d`` sampled blocks deep
-has about ``d / sample_rate`` blocks freed after it: with a pool ``scale``
-times as large, and the same requests running (their blocks take room first),
-it would still be cached if ``d / sample_rate + used < scale × pool``. LRU
-keeps what a smaller cache holds in a larger one, so the measured hit or miss
-of each block anchors the curve: a block vLLM hit counts as hit at every
-larger scale, one it missed as missed at every smaller one. The projection
-for scale s is vLLM's own hit tokens plus the sampled blocks' gain at s,
-scaled by ``1 / sample_rate``, over the window's looked-up tokens. What it
-does not model: a bigger pool admitting more requests at once (their blocks
-would take more room), and a hit stopping at the first missing block of a
-chain (vLLM frees a request's deepest block first, so a chain's deeper blocks
-go first anyway).
+online (SHARDS, Waldspurger et al., FAST '15): a block is sampled when its
+hash (vLLM's, uniform bytes) sorts below ``sample_rate`` of the hash space,
+the same blocks every time and in every process. For the sampled blocks,
+``_stack`` orders those not in use by their last free, latest on top. A
+looked-up block ``d`` sampled blocks deep has about ``d / sample_rate`` blocks
+freed after it: with a pool ``scale`` times as large, and the same requests
+running (their blocks take room first), it would still be cached if
+``d / sample_rate + used < scale × pool``. LRU keeps what a smaller cache
+holds in a larger one, so vLLM's own hit or miss of each block anchors the
+curve: a block vLLM hit counts as hit at every larger scale, one it missed as
+missed at every smaller one, and scale 1 is vLLM's measured ratio. The
+projection for scale s is vLLM's hit tokens plus the sampled blocks' gain at
+s, scaled by ``1 / sample_rate``, over the window's looked-up tokens. What it
+does not model: preemptions a smaller pool would add (their recomputation
+misses), a bigger pool admitting more requests at once (their blocks would
+take more room), and a hit stopping at the first missing block of a chain.
 
-Costs: per freed block, one dict update (in C); per sampled block, a few
-Fenwick-tree steps (``log2`` of the sampled blocks remembered). Memory:
-``recently_freed`` holds up to ``HISTORY_PER_BLOCK`` × pool blocks entries,
-the stack up to ``max(SCALES)`` × pool × ``sample_rate`` blocks.
+Costs: per freed or looked-up block, a set operation and a comparison, in C
+(``itertools.compress`` picks the sampled ones without a Python step per
+block; per-block Python loops, or Python ``hash`` ints as keys, cost 3 to 5
+times as many instructions, ``benchmarks/RESULTS.md``); per sampled block, a
+``bisect`` and a deletion from a short list. Memory: the history above, and
+the stack up to ``2 × max(SCALES)`` × pool × ``sample_rate`` blocks.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import gt
 
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Pool sizes, as multiples of the real one, that the curve is projected for."""
@@ -52,36 +58,58 @@ HISTORY_PER_BLOCK = 4
 WINDOW_SECONDS = 600.0
 """The curve and the peak demand are over the last ten minutes of lookups."""
 BUCKET_SECONDS = 10.0
-SAMPLED_BLOCKS = 1024
+SAMPLED_BLOCKS = 256
 """By default, the sample rate keeps about this many sampled blocks per pool's worth."""
-_HASH_SPACE = 1 << 32
 
 
 def default_sample_rate(pool_blocks: int) -> float:
     return min(1.0, SAMPLED_BLOCKS / max(pool_blocks, 1))
 
 
-class _Fenwick:
-    """Counts of positions 1..size, with prefix sums in ``log2(size)`` steps."""
+class _Stack:
+    """Places (increasing numbers) of the sampled blocks not in use, deepest first, with
+    the count of those above any one. In chunks: a deletion from one plain list moved
+    the whole list's tail (thousands of pointers) and cost more than everything else
+    otel-kvcache does per request (``benchmarks/RESULTS.md``)."""
 
-    __slots__ = ("size", "tree")
+    CHUNK = 128
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.tree = array("l", bytes(8 * (size + 1)))
+    def __init__(self) -> None:
+        self._chunks: list[list[int]] = []
+        self._firsts: list[int] = []  # each chunk's first place when made: a lower bound of its places
+        self._sizes: list[int] = []
+        self.size = 0
 
-    def add(self, position: int, delta: int) -> None:
-        tree, size = self.tree, self.size
-        while position <= size:
-            tree[position] += delta
-            position += position & -position
+    def push(self, place: int) -> None:
+        """``place`` is larger than every place pushed before."""
+        if not self._chunks or len(self._chunks[-1]) >= self.CHUNK:
+            if len(self._chunks) > 2 * (self.size // self.CHUNK) + 4:
+                self.keep_shallowest(self.size)  # mostly emptied chunks: repack
+            self._chunks.append([])
+            self._firsts.append(place)
+            self._sizes.append(0)
+        self._chunks[-1].append(place)
+        self._sizes[-1] += 1
+        self.size += 1
 
-    def up_to(self, position: int) -> int:
-        tree, total = self.tree, 0
-        while position > 0:
-            total += tree[position]
-            position -= position & -position
-        return total
+    def take(self, place: int) -> int:
+        """Removes ``place`` (which is in the stack); returns how many places are above it."""
+        index = bisect_right(self._firsts, place) - 1
+        chunk = self._chunks[index]
+        within = bisect_left(chunk, place)
+        del chunk[within]
+        self._sizes[index] -= 1
+        self.size -= 1
+        return len(chunk) - within + sum(self._sizes[index + 1 :])
+
+    def keep_shallowest(self, count: int) -> int:
+        """Keeps the ``count`` latest places; returns the deepest kept (0 if none)."""
+        places = [place for chunk in self._chunks for place in chunk][-count:] if count else []
+        self._chunks = [places[start : start + self.CHUNK] for start in range(0, len(places), self.CHUNK)]
+        self._firsts = [chunk[0] for chunk in self._chunks]
+        self._sizes = [len(chunk) for chunk in self._chunks]
+        self.size = len(places)
+        return places[0] if places else 0
 
 
 class _Window:
@@ -118,16 +146,23 @@ class PrefixReuse:
     def __init__(self, pool_blocks: int, sample_rate: float) -> None:
         self.pool_blocks = pool_blocks
         self.sample_rate = sample_rate
-        self._threshold = int(sample_rate * _HASH_SPACE)
-        self.recently_freed: dict[int, int] = {}
-        """Hash of a block freed into the prefix cache -> its place in the free order."""
-        self._freed = 0  # blocks freed so far
-        self._history = HISTORY_PER_BLOCK * pool_blocks
-        # Sampled blocks not in use, by their last free: a position each in the tree.
+        # A block is sampled when its hash (vLLM's, uniform bytes) sorts below this.
+        bound = int(sample_rate * (1 << 64))
+        self._threshold = bound.to_bytes(8, "big") if bound < 1 << 64 else None  # None: every block
+        # The hashes of recently freed blocks, in two generations: the current one, and
+        # the one before it, dropped when the current one fills up.
+        self._generation = max(1, HISTORY_PER_BLOCK * pool_blocks // 2)
+        self._freed_lately: set = set()
+        self._freed_before: set = set()
+        # Sampled blocks not in use, by their last free: their places in the free order
+        # (increasing numbers, deepest first), and each block's place.
+        self._stack = _Stack()
+        self._place_of: dict[bytes, int] = {}
+        self._next_place = 0
+        self._holders: dict[bytes, int] = {}
+        """Sampled blocks in use: how many requests hold each (a block joins the queue when
+        its last holder lets go)."""
         self._depth_limit = int(max(SCALES) * pool_blocks * sample_rate) + 1
-        self._position_of: dict[int, int] = {}
-        self._tree = _Fenwick(4 * self._depth_limit + 64)
-        self._next_position = 1
         self._window = _Window()
         # Cumulative miss reasons, in tokens (observable counters).
         self.evicted_tokens = 0
@@ -137,31 +172,42 @@ class PrefixReuse:
     # --- what vLLM did ---------------------------------------------------------------
 
     def on_freed(self, block_hashes: Iterable) -> None:
-        """Blocks with these hashes joined the back of the free queue, in this order."""
-        hashes = list(map(hash, block_hashes))
-        start = self._freed
-        self._freed += len(hashes)
-        self.recently_freed.update(zip(hashes, range(start, self._freed)))
-        if len(self.recently_freed) > 2 * self._history:
-            self._forget_oldest()
-        threshold = self._threshold
-        for key in hashes:
-            if key % _HASH_SPACE < threshold:
-                self._push(key)
+        """A request gave back its blocks, with these hashes, in this order (vLLM frees
+        a request's deepest block first): cached now, or still in use by another."""
+        hashes = list(block_hashes)
+        self._freed_lately.update(hashes)
+        if len(self._freed_lately) >= self._generation:
+            self._freed_before, self._freed_lately = self._freed_lately, set()
+        holders = self._holders
+        for key in self._sampled(hashes):
+            held_by = holders.pop(key, 1) - 1
+            if held_by:  # another request still holds it: not in the free queue yet
+                holders[key] = held_by
+                continue
+            self._take(key)
+            self._place_of[key] = self._next_place
+            self._stack.push(self._next_place)
+            self._next_place += 1
+        if self._stack.size > 2 * self._depth_limit:
+            self._drop_deepest()
 
-    def on_lookup(self, keys: Sequence[bytes], hit_blocks: int, block_size: int, queried_tokens: int,
+    def _sampled(self, hashes: list) -> Iterable:
+        """The sampled ones among ``hashes``, picked in C."""
+        if self._threshold is None:
+            return hashes
+        return compress(hashes, map(gt, repeat(self._threshold), hashes))
+
+    def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
                   used_blocks: int, now: float) -> tuple[int, int, int]:  # fmt: skip
         """A counted prefix lookup of a request whose blocks that could hit have these
-        keys (``vllm_compat.cached_block_keys``); the first ``hit_blocks`` did. Returns
-        the missed tokens as (evicted, cold, uncacheable). The looked-up blocks are in
-        use from now on."""
-        recently_freed = self.recently_freed
-        evicted = cold = 0
-        for key in keys[hit_blocks:]:
-            if hash(key) in recently_freed:
-                evicted += block_size
-            else:
-                cold += block_size
+        hashes (``vllm_compat.lookup_keys``); the first ``hit_blocks`` did. Returns the
+        missed tokens as (evicted, cold, uncacheable). The looked-up blocks are in use
+        from now on."""
+        missed = keys[hit_blocks:]
+        remembered = len(self._freed_lately.intersection(missed))
+        remembered += len(self._freed_before.intersection(missed).difference(self._freed_lately))
+        evicted = block_size * remembered
+        cold = block_size * len(missed) - evicted
         uncacheable = queried_tokens - block_size * len(keys)
         self.evicted_tokens += evicted
         self.cold_tokens += cold
@@ -170,11 +216,12 @@ class PrefixReuse:
         sums = self._window.bucket(now)
         sums[_LOOKED_UP] += queried_tokens
         sums[_HIT] += block_size * hit_blocks
-        threshold, rate = self._threshold, self.sample_rate
-        for index, key in enumerate(keys):
-            hashed = hash(key)
-            if hashed % _HASH_SPACE < threshold:
-                self._project(self._depth_and_take(hashed), index < hit_blocks, used_blocks, sums, block_size / rate)
+        weight = block_size / self.sample_rate
+        holders = self._holders
+        for hit, blocks in ((True, keys[:hit_blocks]), (False, missed)):
+            for key in self._sampled(blocks):
+                self._project(self._take(key), hit, used_blocks, sums, weight)
+                holders[key] = holders.get(key, 0) + 1
         return evicted, cold, uncacheable
 
     def _project(self, depth: int | None, hit: bool, used_blocks: int, sums: array, weight: float) -> None:
@@ -201,9 +248,8 @@ class PrefixReuse:
     def on_reset(self) -> None:
         """The prefix cache was emptied: no freed block is cached any more, at any size.
         (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
-        self._position_of = {}
-        self._tree = _Fenwick(self._tree.size)
-        self._next_position = 1
+        self._stack = _Stack()
+        self._place_of.clear()
 
     # --- readings -----------------------------------------------------------------
 
@@ -226,40 +272,15 @@ class PrefixReuse:
 
     # --- the sampled stack ---------------------------------------------------------
 
-    def _push(self, key: int) -> None:
-        """A sampled block freed: on top of the stack (taken out of its old place)."""
-        self._depth_and_take(key)
-        if self._next_position > self._tree.size:
-            self._renumber()
-        position = self._next_position
-        self._next_position += 1
-        self._position_of[key] = position
-        self._tree.add(position, 1)
+    def _take(self, key: bytes) -> int | None:
+        """How many sampled blocks were freed after ``key``'s block (None if it is not in
+        the stack); the block leaves the stack (it is in use, or freed again)."""
+        place = self._place_of.pop(key, None)
+        return None if place is None else self._stack.take(place)
 
-    def _depth_and_take(self, key: int) -> int | None:
-        """How many sampled blocks were freed after ``key``'s block (None if it is not
-        in the stack); the block leaves the stack (it is in use, or freed again)."""
-        position = self._position_of.pop(key, None)
-        if position is None:
-            return None
-        tree = self._tree
-        depth = len(self._position_of) - tree.up_to(position) + 1  # those above it, after its removal below
-        tree.add(position, -1)
-        return depth
-
-    def _renumber(self) -> None:
-        """Positions used up: the stack's blocks get 1..n again, deepest first, and
-        those deeper than any scale could hold are dropped."""
-        kept = sorted(self._position_of.items(), key=lambda item: item[1])[-self._depth_limit :]
-        self._tree = _Fenwick(self._tree.size)
-        self._position_of = {}
-        for position, (key, _) in enumerate(kept, start=1):
-            self._position_of[key] = position
-            self._tree.add(position, 1)
-        self._next_position = len(kept) + 1
-
-    def _forget_oldest(self) -> None:
-        """Keeps the history to the last ``HISTORY_PER_BLOCK`` × pool frees (run when it
-        doubled: amortized one dict entry per free)."""
-        oldest_kept = self._freed - self._history
-        self.recently_freed = {key: order for key, order in self.recently_freed.items() if order >= oldest_kept}
+    def _drop_deepest(self) -> None:
+        """Forgets the blocks deeper than any scale could hold (run when the stack doubled)."""
+        deepest_kept = self._stack.keep_shallowest(self._depth_limit)
+        if len(self._holders) > self._depth_limit:  # more than the pool holds: requests gone unreleased
+            self._holders.clear()
+        self._place_of = {key: place for key, place in self._place_of.items() if place >= deepest_kept}

@@ -341,16 +341,10 @@ def block_hash_reader(block: Any) -> Any:
     return attrgetter("_block_hash" if hasattr(block, "_block_hash") else "block_hash")
 
 
-_FIRST_GROUP = (0).to_bytes(4, "big")
-
-
-def lookup_keys(request: Any, block_size: int) -> list[bytes]:
-    """The keys, as a cached block of the first KV group holds them, of the request's
-    blocks a prefix lookup could hit: its full blocks before its last token (vLLM
-    recomputes that one for its logits). A cached block's key is its hash followed by
-    its group's id in 4 bytes (``make_block_hash_with_group_id``, 0.30 to 0.33)."""
-    hashes = request.block_hashes[: (request.num_tokens - 1) // block_size]
-    return [block_hash + _FIRST_GROUP for block_hash in hashes]
+def lookup_keys(request: Any, block_size: int) -> list:
+    """The request's block hashes a prefix lookup could hit: those of its full blocks
+    before its last token (vLLM recomputes that one for its logits)."""
+    return request.block_hashes[: (request.num_tokens - 1) // block_size]
 
 
 def real_blocks(blocks: Any, may_hold_null: bool = True) -> int:

@@ -35,8 +35,8 @@ take more room), and a hit stopping at the first missing block of a chain.
 
 Costs: per freed or looked-up block, a set operation and a comparison, in C
 (``itertools.compress`` picks the sampled ones without a Python step per
-block; per-block Python loops, or Python ``hash`` ints as keys, cost 3 to 5
-times as many instructions, ``benchmarks/RESULTS.md``); per sampled block, a
+block; Python ``hash`` ints as keys cost twice the instructions of vLLM's own
+hash objects, ``benchmarks/RESULTS.md``); per sampled block, a
 ``bisect`` and a deletion from a short list. Memory: the history above, and
 the stack up to ``2 × max(SCALES)`` × pool × ``sample_rate`` blocks.
 """

@@ -54,7 +54,8 @@ from operator import gt
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Pool sizes, as multiples of the real one, that the curve is projected for."""
 HISTORY_PER_BLOCK = 4
-"""``recently_freed`` remembers this many freed block hashes per block of the pool."""
+"""The freed-block history holds up to this many distinct hashes per block of the pool
+(two generations of half as many each)."""
 WINDOW_SECONDS = 600.0
 """The curve and the peak demand are over the last ten minutes of lookups."""
 BUCKET_SECONDS = 10.0

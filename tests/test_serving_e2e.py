@@ -187,9 +187,15 @@ def test_growing_chats_on_a_small_pool_report_vllms_preemptions(server, sink):
             await client.close()
         return client.sent
 
-    sent = asyncio.run(chats())
+    # Whether a round preempts depends on how closely the chats' turns reach the
+    # engine together (a slow machine spreads them out): up to three rounds.
+    sent, preempted = [], 0
+    for _ in range(3):
+        sent += asyncio.run(chats())
+        preempted = prometheus_value(server.metrics_text(), "vllm:num_preemptions_total") - before
+        if preempted:
+            break
     assert all(s.status == 200 for s in sent)
-    preempted = prometheus_value(server.metrics_text(), "vllm:num_preemptions_total") - before
     trace_ids = [s.trace_id for s in sent]
     spans = wait_for(lambda: len(kv_spans(sink, trace_ids)) == len(sent) and kv_spans(sink, trace_ids))
     by_trace = {s.trace_id.hex(): span_attributes(s) for _, s in spans}

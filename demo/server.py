@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -38,6 +39,8 @@ class ServerConfig:
     num_blocks: int = 64
     max_model_len: int = 1024
     max_num_seqs: int = 16
+    kv_transfer_config: dict | None = None
+    """vLLM's ``--kv-transfer-config`` (a KV connector, e.g. for disaggregated prefill)."""
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     instrumented: bool = True
@@ -74,6 +77,7 @@ class VLLMServer:
             "--max-num-seqs", str(c.max_num_seqs),
             "--enable-prefix-caching",
             "--dtype", "float32",
+            *(["--kv-transfer-config", json.dumps(c.kv_transfer_config)] if c.kv_transfer_config else []),
             *c.extra_args,
         ]  # fmt: skip
 

@@ -12,7 +12,15 @@ import json
 import os
 
 import torch
-from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, ObservabilityConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.structured_output import StructuredOutputManager
@@ -43,9 +51,11 @@ def make_scheduler(
     log_stats: bool = True,
     kv_events: bool = True,
     kv_cache_metrics_sample: float | None = None,
+    kv_transfer_config: KVTransferConfig | None = None,
 ) -> Scheduler:
     """A real Scheduler on one full-attention KV group; ``kv_cache_metrics_sample``
-    turns on vLLM's own ``--kv-cache-metrics`` at that sample rate."""
+    turns on vLLM's own ``--kv-cache-metrics`` at that sample rate, ``kv_transfer_config``
+    gives it a KV connector (its scheduler side: NIXL's needs no NIXL library)."""
     observability = (
         ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=kv_cache_metrics_sample)
         if kv_cache_metrics_sample
@@ -62,6 +72,7 @@ def make_scheduler(
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
         observability_config=observability,
+        kv_transfer_config=kv_transfer_config,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     vllm_config.parallel_config.data_parallel_index = data_parallel_rank

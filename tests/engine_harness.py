@@ -8,6 +8,7 @@ PrefixCacheStats, its KV-cache events and a scan of its block pool.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -45,6 +46,15 @@ class GroundTruth:
     last_held_blocks: dict[str, int] = field(default_factory=dict)
     stalls: set[tuple[str, int]] = field(default_factory=set)
     """(request id, step) where vLLM's ``allocate_slots`` found no blocks for the request."""
+    connector_hits: int = 0
+    """Tokens a KV connector served, as vLLM's connector PrefixCacheStats count them."""
+    external_cached_tokens: dict[str, int] = field(default_factory=dict)
+    """A KV connector's hit tokens at each request's first admission (vLLM's prefill stats)."""
+    kv_transfer_params: dict[str, dict] = field(default_factory=dict)
+    """What each finished request hands the next engine, as vLLM returns it to the client."""
+    update_started: float = 0.0
+    update_ended: float = 0.0
+    """``time.monotonic()`` around the last step's ``update_from_output``."""
 
 
 class _AllocationRecorder:
@@ -111,15 +121,19 @@ class EngineHarness:
         shared_prefix: int = 0,
         max_tokens: int = 8,
         trace_headers: dict[str, str] | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> Request:
-        """Prompt = ``shared_prefix`` tokens common to all requests + unique tokens."""
+        """Prompt = ``shared_prefix`` tokens common to all requests + unique tokens;
+        ``kv_transfer_params`` as a disaggregated-serving proxy sends them (copied: NIXL
+        rewrites them)."""
         seed = sum(map(ord, request_id)) * 7919
         unique = [(seed + 31 * k) % VOCAB_SIZE for k in range(prompt_len - shared_prefix)]
         tokens = [(k * 13 + 5) % VOCAB_SIZE for k in range(shared_prefix)] + unique
+        extra_args = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params is not None else None
         return Request(
             request_id=request_id,
             prompt_token_ids=tokens,
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args),
             pooling_params=None,
             trace_headers=trace_headers,
             block_hasher=self.block_hasher,
@@ -137,7 +151,9 @@ class EngineHarness:
 
     # --- stepping -----------------------------------------------------------------
 
-    def step(self, after_schedule=None):
+    def step(self, after_schedule=None, kv_connector_output=None):
+        """One engine step; ``kv_connector_output`` is what the workers' connector reports
+        with the model's output (finished sends and receives, failed loads)."""
         output = self.scheduler.schedule()
         if after_schedule is not None:  # where the model would run: the instrumentation's chores ran
             after_schedule(self)
@@ -150,17 +166,26 @@ class EngineHarness:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=[[(self.steps + i) % VOCAB_SIZE] for i in range(len(req_ids))],
+            kv_connector_output=kv_connector_output,
         )
+        self.truth.update_started = time.monotonic()
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
+        self.truth.update_ended = time.monotonic()
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
                 if out.prefill_stats is not None:
                     self.truth.first_admission_cached_tokens[out.request_id] = out.prefill_stats.num_local_cached_tokens
+                    self.truth.external_cached_tokens[out.request_id] = out.prefill_stats.num_external_cached_tokens
+                if out.kv_transfer_params is not None:
+                    self.truth.kv_transfer_params[out.request_id] = out.kv_transfer_params
             stats = outputs.scheduler_stats
             if stats is not None and stats.prefix_cache_stats is not None:
                 p = stats.prefix_cache_stats
                 self.truth.prefix_queries += p.queries + p.preempted_queries
                 self.truth.prefix_hits += p.hits + p.preempted_hits
+            if stats is not None and stats.connector_prefix_cache_stats is not None:
+                c = stats.connector_prefix_cache_stats
+                self.truth.connector_hits += c.hits + c.preempted_hits
         self.steps += 1
         return output
 

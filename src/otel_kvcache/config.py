@@ -24,6 +24,11 @@ ZOMBIE_GRACE_SECONDS = "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS"
 STUCK_STEPS = "OTEL_KVCACHE_STUCK_STEPS"
 """Engine steps a running request may go without computing a token before it is stuck (default 1024)."""
 
+CONNECTOR_TIMEOUT_SECONDS = "OTEL_KVCACHE_CONNECTOR_TIMEOUT_SECONDS"
+"""How long a KV connector may hold a finished request's blocks for a send, or keep a
+request waiting for remote KV, before it is a finding; ``auto`` (default): the
+connector's own timeout (``vllm_compat.connector_timeout_seconds``, 480 s for most)."""
+
 WHATIF_SAMPLE_RATE = "OTEL_KVCACHE_WHATIF_SAMPLE_RATE"
 """Share of block hashes the what-if curve samples, in (0, 1]; ``auto`` (default): about
 1,024 blocks per pool's worth (``whatif.default_sample_rate``)."""
@@ -63,6 +68,21 @@ def zombie_grace_seconds() -> float:
 
 def stuck_steps() -> int:
     return env_int(STUCK_STEPS, 1024)
+
+
+def connector_timeout_seconds() -> float | None:
+    """None for ``auto``."""
+    raw = os.environ.get(CONNECTOR_TIMEOUT_SECONDS, "").strip()
+    if raw.lower() in ("", "auto"):
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        _warn_once(CONNECTOR_TIMEOUT_SECONDS, raw, "is not auto or a finite number >= 0; using auto")
+        return None
+    return seconds
 
 
 def whatif_sample_rate() -> float | None:
@@ -108,6 +128,7 @@ def check_all() -> None:
         reconcile_seconds,
         zombie_grace_seconds,
         stuck_steps,
+        connector_timeout_seconds,
         whatif_sample_rate,
         exporter_process,
         device_metrics,

@@ -73,6 +73,7 @@ from otel_kvcache.vllm_compat import (
 )
 
 if TYPE_CHECKING:
+    from otel_kvcache.connectors import ConnectorTelemetry
     from otel_kvcache.exporter_process import ExporterProcess
 
 
@@ -130,6 +131,8 @@ class EngineTelemetry:
         """Blocks each preempted request gave back, until it runs again: demand the pool lacked."""
         self.preempted_demand = 0
         self._chores_due = 0.0
+        self.connectors: ConnectorTelemetry | None = None
+        """The KV connector's accounting, for an engine that has one (set by ``patch.py``)."""
         instruments.engines.add(self)
 
     # --- helpers ------------------------------------------------------------
@@ -167,6 +170,8 @@ class EngineTelemetry:
             del self.pending_hits[request_id]
         for request_id in [rid for rid in self.preempted_blocks if rid not in live]:
             self.preempted_demand -= self.preempted_blocks.pop(request_id)
+        if self.connectors is not None:
+            self.connectors.forget_departed(live)
 
     def on_admission_attempt(self, request: Any) -> None:
         """After ``_get_local_prefix_cache_hit``: the step's latest admission attempt."""
@@ -203,6 +208,8 @@ class EngineTelemetry:
             self.last_attempt = None
             if attempt.status in self._waiting_for_blocks:  # not admitted (it would be running now)
                 self.on_stall(attempt)
+        if self.connectors is not None:
+            self.connectors.after_schedule()
         self.step += 1
         now = time.monotonic()
         self.pool.note_pops(now)
@@ -289,6 +296,7 @@ class EngineTelemetry:
         events = self.extra_events.pop(request_id, None) if self.extra_events else None
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
+        connector = self.connectors.on_released(request_id) if self.connectors is not None else None
         if is_instrumentation_enabled():
             # Strings, bytes, and objects that exist already (vLLM's headers, our
             # attributes): what the exporter holds until its next flush adds no object
@@ -301,6 +309,7 @@ class EngineTelemetry:
                     tally.tobytes(),
                     events,
                     self._attribute_items,
+                    connector,
                 )
             )
         if not self.scheduler_requests:

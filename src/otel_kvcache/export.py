@@ -32,10 +32,12 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Meter
 from opentelemetry.propagate import extract
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Tracer
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags, Tracer
 
 from otel_kvcache import names
 from otel_kvcache import tally
+from otel_kvcache.connectors import ConnectorRecord
 
 _findings_logger = logging.getLogger("otel_kvcache.findings")
 
@@ -48,8 +50,11 @@ EVENT_DETAIL = {
     names.EVENT_PREEMPTED: (names.RECOMPUTED_TOKENS, names.PREEMPTED_FOR),
     names.EVENT_RELEASED: names.FINISH_REASON,
     names.EVENT_LEAK: names.REQUEST_ID,
-    names.EVENT_ZOMBIE: names.REQUEST_ID,
-    names.EVENT_STUCK: names.STUCK_STEPS,
+    names.EVENT_ZOMBIE: (names.REQUEST_ID, names.ZOMBIE_REASON),
+    names.EVENT_STUCK: (names.STUCK_STEPS, names.STUCK_REASON),
+    names.EVENT_REMOTE_KV_READY: names.CONNECTOR_WAIT_SECONDS,
+    names.EVENT_LOAD_FAILED: names.CONNECTOR_FAILED_BLOCKS,
+    names.EVENT_SEND_DONE: names.CONNECTOR_DELAYED_FREE_SECONDS,
 }
 """The attribute each event's ``detail`` is exported as (besides its blocks); a tuple of
 names for a detail that is a tuple of values, None among which is left out."""
@@ -93,6 +98,8 @@ class FinishedRequest(NamedTuple):
     still_held: int
     """Blocks vLLM still attributes to the request after releasing it: a leak."""
     engine_attributes: dict[str, Any]
+    connector: ConnectorRecord | None
+    """What went through the engine's KV connector, on an engine that has one."""
 
 
 class RequestEnded(NamedTuple):
@@ -109,11 +116,13 @@ class RequestEnded(NamedTuple):
     """Events other than the first admission and the release, as in ``FinishedRequest.events``."""
     engine_attributes: tuple[tuple[str, Any], ...]
     """As ``(name, value)`` pairs (a mapping also does)."""
+    connector: tuple | None = None
+    """A ``ConnectorRecord``'s fields, on an engine with a KV connector."""
 
 
 def finished_request(ended: RequestEnded) -> FinishedRequest:
     """A ``RequestEnded`` read back into a ``FinishedRequest``."""
-    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_attributes = ended
+    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_attributes, connector = ended
     counts = array(tally.TYPECODE, tally_bytes)
     # The last admission period, closed here rather than on the engine thread.
     tally.close_admission_period(counts, counts[tally.FREED])
@@ -136,8 +145,72 @@ def finished_request(ended: RequestEnded) -> FinishedRequest:
         finish_reason=finish_reason,
         events=events,
         engine_attributes=dict(engine_attributes),
+        connector=ConnectorRecord._make(connector) if connector else None,
         **dict(zip(tally.REPORTED, counts)),
     )
+
+
+def connector_attributes(connector: ConnectorRecord) -> dict[str, Any]:
+    attributes = {
+        names.CONNECTOR_NAME: connector.name,
+        names.CONNECTOR_HIT_TOKENS: connector.hit_tokens,
+        names.CONNECTOR_WAIT_SECONDS: connector.wait_ns / 1e9,
+        names.CONNECTOR_FAILED_BLOCKS: connector.failed_blocks,
+        names.CONNECTOR_RECOMPUTED_TOKENS: connector.recomputed_tokens,
+    }
+    if connector.role is not None:
+        attributes[names.CONNECTOR_ROLE] = connector.role
+    if connector.delayed_free_ns >= 0:
+        attributes[names.CONNECTOR_DELAYED_FREE_SECONDS] = connector.delayed_free_ns / 1e9
+    return attributes
+
+
+def _producer_link(connector: ConnectorRecord) -> list[Link]:
+    """A consumer's link to the producer's span, from the ``traceparent`` the producer
+    put in its ``kv_transfer_params`` (``connectors.py``)."""
+    parts = (connector.producer_traceparent or "").split("-")
+    try:
+        trace_id, span_id = int(parts[1], 16), int(parts[2], 16)
+    except (IndexError, ValueError):
+        return []
+    producer = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(parts[3][:2] or "1", 16)))
+    return [Link(producer, {names.CONNECTOR_ROLE: names.ROLE_PRODUCER})] if producer.is_valid else []
+
+
+class PresetSpanIds(IdGenerator):
+    """Gives the next span the id a producer promised its consumer, then the tracer's own.
+
+    A producer's span is built when its blocks come back, after the consumer has
+    taken its KV and linked to it: the id must be chosen first. The SDK's ``Tracer``
+    asks its ``id_generator`` attribute for each span id; this one stands in front of
+    the tracer's own (ours alone: the SDK makes a ``Tracer`` per ``get_tracer``). A
+    tracer that is not the SDK's gets no preset ids, and consumers' links to its
+    producers' spans point at no span.
+    """
+
+    def __init__(self, inner: IdGenerator | None) -> None:
+        self.inner = inner
+        self._next = 0
+
+    @classmethod
+    def install(cls, tracer: Tracer) -> PresetSpanIds:
+        ids = cls(getattr(tracer, "id_generator", None))
+        if ids.inner is not None:
+            tracer.id_generator = ids
+        return ids
+
+    def preset(self, span_id: int) -> None:
+        self._next = span_id
+
+    def generate_span_id(self) -> int:
+        span_id, self._next = self._next, 0
+        return span_id or self.inner.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        return self.inner.generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return getattr(self.inner, "is_trace_id_random", lambda: True)()
 
 
 class Finding(NamedTuple):
@@ -180,21 +253,28 @@ class RequestExporter:
         self.tracer = tracer
         self.histograms = histograms
         self.recently_ended: OrderedDict[str, SpanContext] = OrderedDict()
+        self._span_ids = PresetSpanIds.install(tracer)
 
     def request_ended(self, ended: RequestEnded) -> None:
         finished = finished_request(ended)
-        headers = finished.trace_headers
+        headers, connector = finished.trace_headers, finished.connector
+        links = self._preemptors(finished.events)
+        cache_read_tokens = finished.cache_read_tokens
+        if connector is not None:
+            links += _producer_link(connector)
+            cache_read_tokens += connector.hit_tokens  # the prefix cache's and the connector's
+            self._span_ids.preset(connector.span_id)  # promised to the consumer; 0: any
         span = self.tracer.start_span(
             names.KV_REQUEST_SPAN,
             context=extract(headers, context=Context()) if headers else Context(),
             kind=SpanKind.INTERNAL,
-            links=self._preemptors(finished.events),
+            links=links,
             start_time=finished.start_ns,
             attributes={
                 names.REQUEST_ID: finished.request_id,
                 names.INPUT_TOKENS: finished.input_tokens,
                 names.OUTPUT_TOKENS: finished.output_tokens,
-                names.CACHE_READ_INPUT_TOKENS: finished.cache_read_tokens,
+                names.CACHE_READ_INPUT_TOKENS: cache_read_tokens,
                 names.BLOCK_SIZE: finished.block_size,
                 names.BLOCKS_PEAK: finished.peak,
                 names.BLOCKS_ALLOCATED: finished.allocated,
@@ -206,6 +286,7 @@ class RequestExporter:
                 names.PREFIX_EVICTED_TOKENS: finished.evicted_tokens,
                 names.PREFIX_COLD_TOKENS: finished.cold_tokens,
                 names.FINISH_REASON: finished.finish_reason,
+                **(connector_attributes(connector) if connector is not None else {}),
             },
         )
         for name, timestamp, blocks, detail, free, used in finished.events:
@@ -220,7 +301,7 @@ class RequestExporter:
         histograms.blocks.record(finished.peak, attributes, context=context)
         histograms.preemptions.record(finished.preemptions, attributes, context=context)
         if finished.input_tokens:
-            ratio = min(finished.cache_read_tokens / finished.input_tokens, 1.0)
+            ratio = min(cache_read_tokens / finished.input_tokens, 1.0)
             histograms.prefix_hit_ratio.record(ratio, attributes, context=context)
         span_context = span.get_span_context()
         self.recently_ended[finished.request_id] = span_context

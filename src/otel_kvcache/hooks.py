@@ -17,13 +17,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from types import FunctionType, ModuleType
 
 import wrapt
 
-from otel_kvcache.patch import Wrapper
 from otel_kvcache.vllm_compat import HookPoint, installed_vllm_version
+
+if TYPE_CHECKING:
+    from otel_kvcache.patch import Wrapper
 
 _logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from otel_kvcache import names
 
 if TYPE_CHECKING:
+    from otel_kvcache.connectors import ConnectorTelemetry
     from otel_kvcache.engine import EngineTelemetry
 
 
@@ -105,6 +106,23 @@ class KVCacheInstruments:
             unit="1",
             description="Smallest pool, as a multiple of this one, that the last ten minutes' peak demand fits.",
         )
+        for name, unit, description, reading in (
+            (names.CONNECTOR_HELD_BLOCKS, "{block}", "Blocks of finished requests a KV connector holds for a transfer.", 0),
+            (names.CONNECTOR_HELD_REQUESTS, "{request}", "Finished requests whose blocks a KV connector holds.", 1),
+            (names.CONNECTOR_HELD_AGE_MAX, "s", "Time since the oldest of them finished.", 2),
+        ):  # fmt: skip
+            meter.create_observable_gauge(
+                name, callbacks=[self._connector_callback(lambda c, i=reading: c.held_readings()[i])],
+                unit=unit, description=description,
+            )  # fmt: skip
+        for name, unit, description, where in (
+            (names.CONNECTOR_LOAD_FAILURES, "{block}", "Blocks whose load through the KV connector failed.",
+             "load_failure_blocks"),
+            (names.CONNECTOR_HIT_TOKENS, "{token}", "Prompt tokens loaded through the KV connector.", "hit_tokens"),
+        ):  # fmt: skip
+            meter.create_observable_counter(
+                name, callbacks=[self._connector_callback(attrgetter(where))], unit=unit, description=description
+            )
         for name, unit, description, field in _FINDING_GAUGES:
             read = attrgetter(f"reconciler.report.{field}")
             meter.create_observable_gauge(
@@ -119,6 +137,16 @@ class KVCacheInstruments:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             for engine in list(self.engines):
                 yield Observation(read(engine), engine.attributes)
+
+        return observe
+
+    def _connector_callback(self, read: Callable[[ConnectorTelemetry], float]):
+        """Observes the engines that have a KV connector."""
+
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for engine in list(self.engines):
+                if engine.connectors is not None:
+                    yield Observation(read(engine.connectors), engine.attributes)
 
         return observe
 

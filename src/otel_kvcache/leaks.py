@@ -12,10 +12,12 @@ step rate it takes at most 0.1 % of the engine thread.
 - orphaned blocks: references (``ref_cnt``, summed over the pool) that no live
   request's block list and no deferred free accounts for;
 - zombie requests: request ids that still hold blocks while finished or gone
-  from the scheduler, for longer than ``OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS``
-  (a KV connector's deferred free is expected to end within it);
+  from the scheduler, for longer than ``OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS``, or,
+  when a KV connector holds them for a transfer, than the connector's timeout
+  (``connectors.py``; reason ``connector_timeout``);
 - stuck requests: running requests that computed no token for
-  ``OTEL_KVCACHE_STUCK_STEPS`` steps;
+  ``OTEL_KVCACHE_STUCK_STEPS`` steps, and requests waiting for remote KV past
+  the connector's timeout (reason ``remote_kv_wait``);
 - tail slack: token slots allocated but not yet filled, per request's blocks.
 
 Blocks vLLM keeps on purpose (evictable prefix-cache blocks with no
@@ -120,16 +122,21 @@ class Reconciler:
         """Requests holding blocks while finished or gone for longer than the grace
         period: how many, and their blocks. Those that let go are forgotten."""
         zombies = zombie_blocks = 0
+        connectors = self.engine.connectors
         for request_id, held in holding.items():
             request = live.get(request_id)
             if request is not None and not request.is_finished():
                 continue
             since = self._holding_since.setdefault(request_id, now)
-            if now - since >= self.grace_seconds:
+            if connectors is not None and request_id in connectors.held:  # held for a transfer
+                since, limit, reason = connectors.held[request_id].since, connectors.timeout, names.ZOMBIE_CONNECTOR_TIMEOUT
+            else:
+                limit, reason = self.grace_seconds, names.ZOMBIE_FINISHED
+            if now - since >= limit:
                 zombies += 1
                 zombie_blocks += held
-                message = f"still holds {held} KV blocks {now - since:.0f} s after it finished"
-                self._tell(names.EVENT_ZOMBIE, request_id, held, request_id, message)
+                message = f"still holds {held} KV blocks {now - since:.0f} s after it finished ({reason})"
+                self._tell(names.EVENT_ZOMBIE, request_id, held, (request_id, reason), message)
         for request_id in [rid for rid in self._holding_since if rid not in holding]:
             del self._holding_since[request_id]
             self._reported.discard((names.EVENT_ZOMBIE, request_id))
@@ -171,7 +178,14 @@ class Reconciler:
                 stuck += 1
                 idle = engine.step - tally[PROGRESS_STEP]
                 held = engine.held_blocks(request_id)
-                self._tell(names.EVENT_STUCK, request_id, held, idle, f"has computed no token for {idle} steps")
+                detail = (idle, names.STUCK_NO_PROGRESS)
+                self._tell(names.EVENT_STUCK, request_id, held, detail, f"has computed no token for {idle} steps")
+        if engine.connectors is not None:
+            for request_id, seconds, steps in engine.connectors.overdue_waits():
+                stuck += 1
+                held = engine.held_blocks(request_id)
+                message = f"has waited {seconds:.0f} s for remote KV"
+                self._tell(names.EVENT_STUCK, request_id, held, (steps, names.STUCK_REMOTE_KV_WAIT), message)
         return stuck
 
     def _tell(self, event: str, request_id: str, blocks: int, detail: Any, message: str) -> None:

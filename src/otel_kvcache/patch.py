@@ -22,15 +22,19 @@ carry vLLM's names.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import names
+from otel_kvcache.connectors import ConnectorTelemetry
 from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.hooks import as_vllm_calls_it
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.pool import PoolTracker
 from otel_kvcache.propagation import (
@@ -41,7 +45,7 @@ from otel_kvcache.propagation import (
 from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.signatures import method_like
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import describe_installed, free_queue, internals
+from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, describe_installed, free_queue, internals, kv_connector
 
 _vllm_log = logging.getLogger("vllm.otel_kvcache")
 
@@ -160,6 +164,110 @@ def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, afte
     return build
 
 
+# --- per engine: the KV connector's hook points -------------------------------------
+#
+# Patched on one scheduler and its connector object (``CONNECTOR_HOOK_POINTS``) by
+# ``patch_connector_hooks``, each bound to that engine's ``ConnectorTelemetry``: no
+# lookup of the engine, and nothing at all on an engine without a connector.
+
+
+def _bound_before(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
+    """``before(<vLLM's arguments>)``, then vLLM's call."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            try:
+                before(*args, **kwargs)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+            return original(self, *args, **kwargs)
+
+        return method_like(original, method)
+
+    return build
+
+
+def _bound_around(
+    hook: str, errors: InstrumentationErrors, before: Callable[..., Any], after: Callable[[Any], None]
+) -> MethodBuilder:
+    """``state = before(<vLLM's arguments>)``, vLLM's call, then ``after(state)`` unless state is None."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            try:
+                state = before(*args, **kwargs)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+                state = None
+            result = original(self, *args, **kwargs)
+            if state is not None:
+                try:
+                    after(state)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def _bound_after_first(hook: str, errors: InstrumentationErrors, after: Callable[[Any], None]) -> MethodBuilder:
+    """vLLM's call, then ``after(<vLLM's first argument>)``."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            try:
+                after(args[0])
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def _bound_result(hook: str, errors: InstrumentationErrors, on_result: Callable[[Any, Any], Any]) -> MethodBuilder:
+    """vLLM's call, then ``on_result(<vLLM's first argument>, result)``, which returns the
+    result vLLM gets (vLLM's own when ours fails)."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            try:
+                return on_result(args[0], result)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+                return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors: InstrumentationErrors) -> None:
+    """Binds the connector's hook points to this scheduler and its connector object.
+    A point the installed vLLM lacks is reported once by name, as the class-level ones are."""
+    builders = {
+        "connector_output": lambda hook: _bound_around(hook, errors, connectors.before_output, connectors.after_output),
+        "finished": lambda hook: _bound_after_first(hook, errors, connectors.on_finished),
+        "connector_allocated": lambda hook: _bound_before(hook, errors, connectors.on_allocated),
+        "connector_finished": lambda hook: _bound_result(hook, errors, connectors.on_request_finished),
+    }
+    connector = kv_connector(scheduler)
+    for point in CONNECTOR_HOOK_POINTS:
+        target = scheduler if point.owner == "Scheduler" else connector
+        original = getattr(type(target), point.method, None)
+        if original is None:  # a connector without several KV-cache groups has no request_finished_all_groups
+            if point.owner != "SupportsHMA":
+                _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
+            continue
+        method = builders[point.role](point.qualname)(as_vllm_calls_it(original))
+        setattr(target, point.method, MethodType(functools.wraps(original)(method), target))
+
+
 def scheduler_init_wrapper(
     hook: str, exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
 ) -> Wrapper:
@@ -171,6 +279,9 @@ def scheduler_init_wrapper(
             if internals.core_missing():  # each reported once, by name, with the version
                 return
             engine = EngineTelemetry(instance, exporter_for(), instruments, errors)
+            if kv_connector(instance) is not None:
+                engine.connectors = ConnectorTelemetry(engine, instance)
+                patch_connector_hooks(instance, engine.connectors, errors)
             manager = instance.kv_cache_manager
             for owner in (instance, manager, manager.block_pool, free_queue(manager.block_pool)):
                 setattr(owner, ENGINE_ATTRIBUTE, engine)

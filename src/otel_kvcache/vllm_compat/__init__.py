@@ -30,6 +30,7 @@ What changed between the releases we support, and what it means here:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from functools import lru_cache
@@ -172,6 +173,26 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
 )  # fmt: skip
 
 
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+
+CONNECTOR_HOOK_POINTS: tuple[HookPoint, ...] = (
+    # Patched on each scheduler that has a KV connector, and on its connector, as the
+    # engine starts: an engine without one pays nothing for them (``connectors.py``).
+    # Once a step: the workers' connector output (finished sends and receives,
+    # failed loads) before vLLM acts on it, and what the failures left computed.
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "update_from_output", "connector_output"),
+    # Every finished request: with a connector its blocks may stay held (a send).
+    HookPoint(SCHEDULER_MODULE, "Scheduler", "_free_request", "finished"),
+    # Once per successful admission from the waiting queue, with vLLM's external
+    # computed tokens (twice for an asynchronous load: then with 0), before the
+    # connector reads (and NIXL rewrites) the request's kv_transfer_params.
+    HookPoint(CONNECTOR_MODULE, "KVConnectorBase_V1", "update_state_after_alloc", "connector_allocated"),
+    # The transfer parameters a finished request hands the next engine: one
+    # of the two, as the connector supports several KV-cache groups or not.
+    HookPoint(CONNECTOR_MODULE, "KVConnectorBase_V1", "request_finished", "connector_finished"),
+    HookPoint(CONNECTOR_MODULE, "SupportsHMA", "request_finished_all_groups", "connector_finished"),
+)
+
 CORE_ROLES = frozenset({"scheduler_init", "scheduled", "release"})
 """Without these the request span cannot be made (``otel-kvcache doctor`` fails)."""
 
@@ -192,6 +213,10 @@ FEEDS = {
     "attach_trace_context": "the span's place in the caller's trace",
     "recover_trace_headers": "the span's place in the caller's trace (0.30, 0.31)",
     "name_child_process": "vllm.process.role and vllm.engine.index in the resources",
+    "connector_output": "KV connector transfers: remote KV ready, sends done, failed loads",
+    "finished": "blocks a KV connector holds for finished requests",
+    "connector_allocated": "KV connector hit tokens, the request's role, its wait for remote KV",
+    "connector_finished": "the link from a consumer's span to its producer's",
 }
 """What each role's hook point records: switched off where it is missing."""
 
@@ -205,6 +230,10 @@ PARAMETERS = {
     "unpin": ("blocks",),
     "touch": ("blocks",),
     "evict_blocks": ("block_ids",),
+    "connector_output": ("scheduler_output", "model_runner_output"),
+    "finished": ("request",),
+    "connector_allocated": ("request", "blocks", "num_external_tokens"),
+    "connector_finished": ("request",),
 }
 """The leading parameters after the instance that a role's wrapper reads, as verified."""
 
@@ -374,3 +403,72 @@ def held_blocks_counter(type_managers: tuple[tuple[Any, bool], ...]) -> Callable
 
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
     return args[0] if args else kwargs[name]
+
+
+# --- KV connectors ------------------------------------------------------------
+
+PRODUCER_SPAN_PARAMETER = "otel_kvcache_producer_span"
+"""The key otel-kvcache adds to a producer's returned ``kv_transfer_params``: its span's
+W3C ``traceparent``. A proxy passes the parameters to the consumer as they are (vLLM's
+disaggregated-serving pattern), whose span links to it; connectors ignore unknown keys."""
+
+
+def kv_connector(scheduler: Any) -> Any | None:
+    """The scheduler's KV connector (its scheduler side), or None."""
+    return getattr(scheduler, "connector", None)
+
+
+def connector_kv_role(scheduler: Any) -> str | None:
+    """``producer`` or ``consumer`` for an engine configured as one (``kv_role``
+    ``kv_producer`` or ``kv_consumer``); None for ``kv_both``."""
+    config = scheduler.vllm_config.kv_transfer_config
+    role = getattr(config, "kv_role", None)
+    return {"kv_producer": names.ROLE_PRODUCER, "kv_consumer": names.ROLE_CONSUMER}.get(role)
+
+
+def request_connector_role(kv_transfer_params: dict | None) -> str | None:
+    """A request's role in a prefill/decode hand-off, from the parameters the proxy
+    sent (read before the connector rewrites them): ``do_remote_decode`` (its KV goes
+    on: producer), ``do_remote_prefill`` or a producer's span (its KV comes from one:
+    consumer)."""
+    if not kv_transfer_params:
+        return None
+    if kv_transfer_params.get("do_remote_decode"):
+        return names.ROLE_PRODUCER
+    if kv_transfer_params.get("do_remote_prefill") or PRODUCER_SPAN_PARAMETER in kv_transfer_params:
+        return names.ROLE_CONSUMER
+    return None
+
+
+def connector_timeout_seconds(scheduler: Any) -> float:
+    """How long a connector may keep a transfer going, by its own settings: Mooncake's
+    ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``; NIXL's ``decoder_kv_blocks_ttl`` (its
+    producer-side lease, ``kv_lease_duration``, is renewed while the consumer lives, so
+    it bounds nothing); 480 s, their common default, for any other."""
+    name = type(kv_connector(scheduler)).__name__
+    extra = getattr(scheduler.vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+    if name.startswith("Mooncake"):
+        try:
+            return float(os.environ.get("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", 480))
+        except ValueError:
+            return 480.0
+    if name.startswith("Nixl"):
+        return float(extra.get("decoder_kv_blocks_ttl", 480))
+    return 480.0
+
+
+def kv_connector_output(model_runner_output: Any) -> Any | None:
+    """The workers' connector output of a step (``KVConnectorOutput``), or None."""
+    return getattr(model_runner_output, "kv_connector_output", None)
+
+
+def waiting_for_remote_kvs_status() -> Any:
+    """``RequestStatus.WAITING_FOR_REMOTE_KVS``: blocks allocated, KV on its way."""
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def block_ids_of(manager: Any, request_id: str) -> list[int]:
+    """The request's block ids over all KV-cache groups."""
+    return [block_id for group in manager.get_block_ids(request_id) for block_id in group]

@@ -63,9 +63,12 @@ def decode_request(body: dict[str, Any], kv_transfer_params: dict[str, Any] | No
     return {**body, "kv_transfer_params": kv_transfer_params}
 
 
-def build_app(prefill_url: str, decode_url: str, timeout: float = 300) -> Starlette:
-    """The proxy as an ASGI app (run it with uvicorn, in a thread for a test)."""
-    tracer = trace.get_tracer(TRACER_NAME)
+def build_app(
+    prefill_url: str, decode_url: str, timeout: float = 300, tracer_provider: trace.TracerProvider | None = None
+) -> Starlette:
+    """The proxy as an ASGI app (run it with uvicorn, in a thread for a test); its spans
+    go to ``tracer_provider``, the global one by default."""
+    tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
     client = httpx.AsyncClient(timeout=timeout)
 
     async def proxy(request: Request) -> Response:

@@ -13,12 +13,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from harness.scheduler import VOCAB_SIZE, make_scheduler
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 
@@ -267,3 +268,69 @@ def busy_run_decisions(model_config) -> tuple:
         (r.request_id, r.status, r.num_preemptions, list(r.output_token_ids), r.num_computed_tokens) for r in requests
     ]
     return decisions, final, engine.pool_scan(), engine.events.removed_hashes
+
+
+def nixl_both() -> KVTransferConfig:
+    """vLLM's NIXL connector, producing and consuming, recomputing what fails to load."""
+    return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_load_failure_policy="recompute")
+
+
+class KVTransfers:
+    """Plays the workers' side of an engine whose NIXL connector both produces and consumes
+    (``kv_role="kv_both"``): what vLLM parks for a remote load arrives ``recv_steps`` later,
+    what it holds for a send leaves ``send_steps`` after it finished, and every
+    ``fail_every``-th load has one bad block. The requests it sends: a remote decode
+    (produce, one token) and a remote prefill (consume), in turn."""
+
+    def __init__(self, harness: EngineHarness, recv_steps: int = 2, send_steps: int = 3, fail_every: int = 4) -> None:
+        self.harness = harness
+        self.recv_steps, self.send_steps, self.fail_every = recv_steps, send_steps, fail_every
+        self.due: dict[str, int] = {}
+        self.loads = 0
+        self.sent = 0
+
+    def add(self, prompt_len: int = 48) -> Request:
+        n, self.sent = self.sent, self.sent + 1
+        if n % 2:
+            params = dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill",
+                          remote_request_id=f"prefill-{n}", remote_block_ids=list(range(prompt_len // 16)),
+                          remote_host="prefill-host", remote_port=1234, tp_size=1)  # fmt: skip
+            request = self.harness.make_request(f"c{n}", prompt_len, max_tokens=8, kv_transfer_params=params)
+        else:
+            params = {"do_remote_decode": True, "do_remote_prefill": False}
+            request = self.harness.make_request(f"p{n}", prompt_len, max_tokens=1, kv_transfer_params=params)
+        return self.harness.add(request)
+
+    def step(self) -> None:
+        harness, step = self.harness, self.harness.steps
+        recving, sending, invalid = set(), set(), set()
+        for request_id, due in list(self.due.items()):
+            if due > step:
+                continue
+            del self.due[request_id]
+            request = harness.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                recving.add(request_id)
+                self.loads += 1
+                if self.loads % self.fail_every == 0:
+                    invalid.add(harness.scheduler.kv_cache_manager.get_block_ids(request_id)[0][0])
+            elif request.is_finished():
+                sending.add(request_id)
+        harness.step(kv_connector_output=KVConnectorOutput(
+            finished_recving=recving, finished_sending=sending, invalid_block_ids=invalid))  # fmt: skip
+        for request_id, request in harness.scheduler.requests.items():
+            if request_id in self.due:
+                continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.due[request_id] = harness.steps + self.recv_steps
+            elif request.is_finished():
+                self.due[request_id] = harness.steps + self.send_steps
+
+    def run(self, max_steps: int = 500) -> None:
+        for _ in range(max_steps):
+            if not self.harness.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError(f"transfers still unfinished after {max_steps} steps")

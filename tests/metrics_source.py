@@ -24,7 +24,7 @@ from prometheus_client import start_http_server  # noqa: E402
 from otel_kvcache import VLLMKVCacheInstrumentor  # noqa: E402
 from otel_kvcache.gpu import VLLMGPUInstrumentor  # noqa: E402
 
-from engine_harness import EngineHarness  # noqa: E402
+from engine_harness import EngineHarness, KVTransfers, nixl_both  # noqa: E402
 from harness.scheduler import make_model_config, make_scheduler  # noqa: E402
 from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings  # noqa: E402
 
@@ -36,7 +36,11 @@ def main(port: int, seconds: float) -> None:
     VLLMGPUInstrumentor().instrument(
         meter_provider=provider, nvml=FakeNVML(readings["nvml"]), torch_cuda=FakeTorchCuda(readings["torch"])
     )
-    engine = EngineHarness(make_scheduler(make_model_config(tempfile.mkdtemp()), num_blocks=32))
+    model_config = make_model_config(tempfile.mkdtemp())
+    engine = EngineHarness(make_scheduler(model_config, num_blocks=32))
+    # A second engine hands KV to and from others through vLLM's NIXL connector.
+    transfers = KVTransfers(EngineHarness(
+        make_scheduler(model_config, num_blocks=48, data_parallel_rank=1, kv_transfer_config=nixl_both())))  # fmt: skip
     start_http_server(port, addr="127.0.0.1")
     print("serving", flush=True)
     deadline, n = time.monotonic() + seconds, 0
@@ -45,6 +49,9 @@ def main(port: int, seconds: float) -> None:
             engine.add(engine.make_request(f"r{n}", prompt_len=40 + (n * 13) % 60, shared_prefix=32, max_tokens=60))
             n += 1
         engine.step()
+        while len(transfers.harness.scheduler.requests) < 4:
+            transfers.add()
+        transfers.step()
         if n % 7 == 0 and f"r{n - 1}" in engine.scheduler.requests:
             engine.abort(f"r{n - 1}")
         time.sleep(0.002)

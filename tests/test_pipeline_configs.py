@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY, generate_latest
 from otel_kvcache import names
 from otel_kvcache.gpu import VLLMGPUInstrumentor
 
+from engine_harness import KVTransfers, nixl_both
 from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,6 +63,10 @@ def test_every_dashboard_metric_and_label_is_one_the_package_exports(make_engine
         for i in range(4):
             engine.add(engine.make_request(f"r{i}", prompt_len=60, shared_prefix=32, max_tokens=40))
         engine.run()
+        transfers = KVTransfers(make_engine(num_blocks=48, data_parallel_rank=1, kv_transfer_config=nixl_both()))
+        for _ in range(8):
+            transfers.add()
+        transfers.run()
         exposition = generate_latest(REGISTRY).decode()
     finally:
         gpu.uninstrument()
@@ -110,7 +115,7 @@ def test_tail_sampling_rules_name_what_the_package_emits():
     conditions = [c for p in policies if p["type"] == "ottl_condition"
                   for group in ("span", "spanevent") for c in p["ottl_condition"].get(group, [])]
     quoted = {re.search(r'"([^"]+)"', c).group(1) for c in conditions}
-    assert quoted == {names.FINDING_SPAN, names.EVENT_LEAK, names.EVENT_ZOMBIE, names.EVENT_STUCK}
+    assert quoted == {names.FINDING_SPAN, names.EVENT_LEAK, names.EVENT_ZOMBIE, names.EVENT_STUCK, names.EVENT_LOAD_FAILED}
     [finish] = [p for p in policies if p.get("string_attribute", {}).get("key") == names.FINISH_REASON]
     assert set(finish["string_attribute"]["values"]) == {"abort", "error"}
 

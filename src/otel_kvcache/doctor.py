@@ -18,6 +18,7 @@ from otel_kvcache.version import __version__
 from otel_kvcache.vllm_compat import (
     CORE_ROLES,
     FEEDS,
+    CONNECTOR_HOOK_POINTS,
     HOOK_POINTS,
     PARAMETERS,
     HookPoint,
@@ -89,6 +90,11 @@ def report() -> tuple[list[str], bool]:
             continue
         status, detail = hook_point_status(point)
         healthy &= status == "found" or point.role not in CORE_ROLES
+        note = FEEDS[point.role] if status == "found" else f"{detail}; not recorded: {FEEDS[point.role]}"
+        lines.append(f"  {status:8} {point.qualname:48} {note}")
+    lines += ["", "hook points on an engine with a KV connector (patched on it as it starts):"]
+    for point in CONNECTOR_HOOK_POINTS:
+        status, detail = hook_point_status(point)
         note = FEEDS[point.role] if status == "found" else f"{detail}; not recorded: {FEEDS[point.role]}"
         lines.append(f"  {status:8} {point.qualname:48} {note}")
     lines += ["", "internals:"]

@@ -244,6 +244,12 @@ class RequestHistograms:
             description="Preemptions per finished request.",
             explicit_bucket_boundaries_advisory=[0, 1, 2, 4, 8, 16, 32],
         )
+        self.connector_wait = meter.create_histogram(
+            names.REQUEST_CONNECTOR_WAIT,
+            unit="s",
+            description="Seconds each finished request waited for remote KV (requests that waited).",
+            explicit_bucket_boundaries_advisory=[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300],
+        )
 
 
 class RequestExporter:
@@ -303,6 +309,8 @@ class RequestExporter:
         if finished.input_tokens:
             ratio = min(cache_read_tokens / finished.input_tokens, 1.0)
             histograms.prefix_hit_ratio.record(ratio, attributes, context=context)
+        if connector is not None and connector.wait_ns:
+            histograms.connector_wait.record(connector.wait_ns / 1e9, attributes, context=context)
         span_context = span.get_span_context()
         self.recently_ended[finished.request_id] = span_context
         if len(self.recently_ended) > RECENTLY_ENDED:

@@ -64,7 +64,8 @@ INPUT_TOKENS: Final = GEN_AI_USAGE_INPUT_TOKENS
 OUTPUT_TOKENS: Final = GEN_AI_USAGE_OUTPUT_TOKENS
 """Tokens the request generated."""
 CACHE_READ_INPUT_TOKENS: Final = GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
-"""Local prefix-cache hit tokens, summed over the request's admissions."""
+"""Prompt tokens whose KV was not computed: local prefix-cache hits plus, on an engine with a
+KV connector, the tokens it loaded (``CONNECTOR_HIT_TOKENS``), summed over admissions."""
 BLOCK_SIZE: Final = "vllm.kv_cache.block_size"
 """Tokens per KV block."""
 BLOCKS_PEAK: Final = "vllm.kv_cache.blocks.peak"
@@ -201,6 +202,9 @@ REQUEST_PREFIX_HIT_RATIO: Final = "vllm.kv_cache.request.prefix_hit_ratio"
 """Histogram, ``1``: prefix-cache hit tokens / prompt tokens per finished request."""
 REQUEST_PREEMPTIONS: Final = "vllm.kv_cache.request.preemptions"
 """Histogram, ``{preemption}``: preemptions per finished request."""
+REQUEST_CONNECTOR_WAIT: Final = "vllm.kv_cache.request.connector_wait"
+"""Histogram, ``s``: per finished request that waited for remote KV, the wait
+(``CONNECTOR_WAIT_SECONDS``)."""
 KV_MEMORY_USAGE: Final = "vllm.kv_cache.memory.usage"
 """Observable gauge, ``By``: KV bytes per ``vllm.kv_cache.block.state`` (blocks x bytes per block)."""
 KV_MEMORY_LIMIT: Final = "vllm.kv_cache.memory.limit"

@@ -313,8 +313,9 @@ def blocks_by_request(type_manager: Any) -> dict[str, list]:
 
 
 def deferred_frees(scheduler: Any) -> list:
-    """``(request id, blocks)`` of finished requests whose free a KV connector delayed
-    (empty where vLLM has none to show)."""
+    """``(fence step, blocks)`` whose return to the pool waits for an in-flight step (a
+    consumer connector with async scheduling): referenced, and no request's (empty where
+    vLLM has none to show). A connector's delayed free keeps the request instead."""
     return scheduler.deferred_frees if internals.has("deferred_frees") else []
 
 

@@ -54,7 +54,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("kv_cache_manager", SCHEDULER, "Scheduler", "kv_cache_manager", "assigned", "everything", core=True),
     Internal("block_size", SCHEDULER, "Scheduler", "block_size", "assigned", "block counts in tokens", core=True),
     Internal("deferred_frees", SCHEDULER, "Scheduler", "deferred_frees", "assigned",
-             "leak findings for blocks a KV connector still holds"),
+             "orphaned-block counts while frees wait behind an in-flight step"),
     Internal("schedule_request_local", SCHEDULER, "Scheduler", "request", "local",
              "the stall of the request a preemption made room for", where="schedule"),
     Internal("block_pool", MANAGER, "KVCacheManager", "block_pool", "assigned", "the pool's metrics", core=True),

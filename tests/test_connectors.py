@@ -224,3 +224,19 @@ def test_an_engine_without_a_connector_reports_none_of_it(engine, telemetry):
     assert not [k for k in attributes(telemetry, "r-1") if k.startswith("vllm.kv_cache.connector.")]
     assert not telemetry.points(names.CONNECTOR_HELD_BLOCKS)
     assert "update_from_output" not in vars(engine.scheduler)  # its hooks are per engine: none here
+
+
+def test_uninstrument_takes_the_hooks_off_the_engine_it_patched(make_engine, telemetry):
+    from otel_kvcache import VLLMKVCacheInstrumentor
+
+    decode = make_engine(num_blocks=64, kv_transfer_config=nixl("kv_consumer"))
+    patched = ("update_from_output", "_free_request")
+    assert all(name in vars(decode.scheduler) for name in patched)
+    assert "update_state_after_alloc" in vars(decode.scheduler.connector)
+    VLLMKVCacheInstrumentor().uninstrument()
+    assert not [name for name in patched if name in vars(decode.scheduler)]
+    assert "update_state_after_alloc" not in vars(decode.scheduler.connector)
+    decode.add(decode.make_request("d-1", 80, max_tokens=2, kv_transfer_params=remote_prefill("d-1", 5)))
+    decode.step()
+    decode.step(kv_connector_output=KVConnectorOutput(finished_recving={"d-1"}))
+    decode.run()  # vLLM's own methods again

@@ -143,8 +143,13 @@ def test_prefill_then_decode_is_one_trace_and_the_decode_loads_what_the_prefill_
     assert consumed[names.CACHE_READ_INPUT_TOKENS] >= loaded  # local hits plus the connector's
 
     # The proxy's span is the parent of both servers' HTTP spans: one trace, one tree.
-    trace = [(r, s) for r, s in sink.spans() if s.trace_id.hex() == trace_id]
+    def whole_trace():  # each server's HTTP span ends, and is exported, after its KV span
+        trace = [(r, s) for r, s in sink.spans() if s.trace_id.hex() == trace_id]
+        proxied = [s for r, s in trace if r.get("service.name") == "disagg-proxy"]
+        children = [s for _, s in trace for p in proxied if s.parent_span_id == p.span_id]
+        return trace if len(children) == 2 else None
+
+    trace = wait_for(whole_trace)
     [proxied] = [s for r, s in trace if r.get("service.name") == "disagg-proxy"]
     assert proxied.parent_span_id == bytes.fromhex(header.split("-")[2])  # the caller's span
-    assert len([s for _, s in trace if s.parent_span_id == proxied.span_id]) == 2
     print("\n" + render_trace(trace))

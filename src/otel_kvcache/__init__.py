@@ -53,7 +53,7 @@ from otel_kvcache.drain import wait_for_helpers_at_exit
 from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.package import _instruments, _instruments_any
-from otel_kvcache.patch import build_wrappers
+from otel_kvcache.patch import build_wrappers, unpatch_connector_hooks
 from otel_kvcache.resource import handed_down_attributes
 from otel_kvcache.version import __version__
 from otel_kvcache.vllm_compat import HOOK_POINTS
@@ -105,11 +105,15 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
 
         self._patcher = LazyPatcher(HOOK_POINTS, build_wrappers(exporter_for, instruments, errors))
         self._patcher.start()
+        self._kv_instruments = instruments
 
     def _uninstrument(self, **kwargs: Any) -> None:
         if self._patcher is not None:
             self._patcher.stop()
             self._patcher = None
+            for engine in list(self._kv_instruments.engines):  # those with a KV connector were patched one by one
+                if engine.connectors is not None:
+                    unpatch_connector_hooks(engine.connectors)
 
 
 def _exports_from_a_helper_process(given_providers: bool) -> bool:

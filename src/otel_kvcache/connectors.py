@@ -100,6 +100,8 @@ class ConnectorTelemetry:
         self.hit_tokens = 0
         self.load_failure_blocks = 0
         self._admitted: list[ConnectorTally] = []  # this step's, until schedule() returns
+        self.patched: list[tuple[Any, str, Any]] = []
+        """(scheduler or connector, method, our bound method), for ``uninstrument()``."""
         self._waiting = waiting_for_remote_kvs_status()
 
     # --- hooks -------------------------------------------------------------------

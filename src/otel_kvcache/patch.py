@@ -265,7 +265,17 @@ def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors
                 _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
             continue
         method = builders[point.role](point.qualname)(as_vllm_calls_it(original))
-        setattr(target, point.method, MethodType(functools.wraps(original)(method), target))
+        bound = MethodType(functools.wraps(original)(method), target)
+        setattr(target, point.method, bound)
+        connectors.patched.append((target, point.method, bound))
+
+
+def unpatch_connector_hooks(connectors: ConnectorTelemetry) -> None:
+    """Takes our bound methods off the scheduler and its connector (``uninstrument()``)."""
+    for target, method, bound in connectors.patched:
+        if vars(target).get(method) is bound:
+            delattr(target, method)
+    connectors.patched.clear()
 
 
 def scheduler_init_wrapper(

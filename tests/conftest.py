@@ -80,6 +80,16 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="module")
+def sink():
+    """An OTLP receiver (gRPC) for the end-to-end tests' servers, one per test module."""
+    from demo.otlp_sink import OTLPSink
+
+    sink = OTLPSink().start()
+    yield sink
+    sink.stop()
+
+
 @pytest.fixture
 def telemetry():
     telemetry = Telemetry()

@@ -24,10 +24,11 @@ from safetensors import safe_open
 
 from demo.disagg_proxy import build_app
 from demo.load import traceparent
-from demo.otlp_sink import OTLPSink, attributes_of
+from demo.otlp_sink import attributes_of
 from demo.server import ServerConfig, VLLMServer, free_port, prometheus_value
 from demo.trace_text import render_trace
 from otel_kvcache import names
+from test_serving_e2e import wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -39,13 +40,6 @@ PROMPT = [20 + (7 * k) % 480 for k in range(200)]
 def shared_storage(role: str, directory) -> dict:
     return {"kv_connector": "ExampleConnector", "kv_role": role,
             "kv_connector_extra_config": {"shared_storage_path": str(directory)}}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def sink():
-    sink = OTLPSink().start()
-    yield sink
-    sink.stop()
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +80,6 @@ def proxy(servers, sink):
     server.should_exit = True
     thread.join(10)
     provider.shutdown()
-
-
-def wait_for(produce, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = produce()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"nothing arrived within {timeout}s")
 
 
 def stored_tokens(storage) -> dict[str, int]:

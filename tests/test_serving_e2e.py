@@ -17,20 +17,13 @@ import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from demo.load import LoadClient, growing_chat, traceparent
-from demo.otlp_sink import OTLPSink, attributes_of
+from demo.otlp_sink import attributes_of
 from demo.server import ServerConfig, VLLMServer, prometheus_value
 from otel_kvcache import names
 
 pytestmark = pytest.mark.serving
 
 BLOCK_SIZE = 32
-
-
-@pytest.fixture(scope="module")
-def sink():
-    sink = OTLPSink().start()
-    yield sink
-    sink.stop()
 
 
 @pytest.fixture(scope="module")

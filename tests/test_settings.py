@@ -42,6 +42,17 @@ def test_a_bad_setting_names_the_variable_and_the_value_used(monkeypatch, caplog
     assert "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS='half a minute'" in message and "using 30.0" in message
 
 
+@pytest.mark.parametrize("raw", [*NOT_FINITE, "-1", "eight minutes"])
+def test_a_bad_connector_timeout_falls_back_to_the_connectors_own(monkeypatch, caplog, raw):
+    monkeypatch.setenv(config.CONNECTOR_TIMEOUT_SECONDS, raw)
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        assert config.connector_timeout_seconds() is None  # auto
+    [message] = [r.getMessage() for r in caplog.records]
+    assert f"{config.CONNECTOR_TIMEOUT_SECONDS}={raw!r}" in message and "using auto" in message
+    monkeypatch.setenv(config.CONNECTOR_TIMEOUT_SECONDS, "90")
+    assert config.connector_timeout_seconds() == 90.0
+
+
 def test_fastapi_exclude_spans_keeps_the_spans_it_knows_and_names_the_rest(monkeypatch, caplog):
     monkeypatch.setenv(config.FASTAPI_EXCLUDE_SPANS, " Send, bodies ")
     with caplog.at_level(logging.WARNING, logger="otel_kvcache"):

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 
 _logger = logging.getLogger(__name__)
 
@@ -72,32 +73,13 @@ def stuck_steps() -> int:
 
 def connector_timeout_seconds() -> float | None:
     """None for ``auto``."""
-    raw = os.environ.get(CONNECTOR_TIMEOUT_SECONDS, "").strip()
-    if raw.lower() in ("", "auto"):
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
-        _warn_once(CONNECTOR_TIMEOUT_SECONDS, raw, "is not auto or a finite number >= 0; using auto")
-        return None
-    return seconds
+    return env_auto_float(CONNECTOR_TIMEOUT_SECONDS, lambda seconds: math.isfinite(seconds) and seconds >= 0,
+                          "a finite number >= 0")  # fmt: skip
 
 
 def whatif_sample_rate() -> float | None:
     """None for ``auto``."""
-    raw = os.environ.get(WHATIF_SAMPLE_RATE, "").strip()
-    if raw.lower() in ("", "auto"):
-        return None
-    try:
-        rate = float(raw)
-    except ValueError:
-        rate = math.nan
-    if not 0.0 < rate <= 1.0:  # nan included
-        _warn_once(WHATIF_SAMPLE_RATE, raw, "is not auto or a number in (0, 1]; using auto")
-        return None
-    return rate
+    return env_auto_float(WHATIF_SAMPLE_RATE, lambda rate: 0.0 < rate <= 1.0, "a number in (0, 1]")
 
 
 def exporter_process() -> str:
@@ -136,6 +118,21 @@ def check_all() -> None:
         fastapi_exclude_spans,
     ):
         read()
+
+
+def env_auto_float(variable: str, valid: Callable[[float], bool], expected: str) -> float | None:
+    """A number ``valid`` accepts, or None for ``auto`` (the default)."""
+    raw = os.environ.get(variable, "").strip()
+    if raw.lower() in ("", "auto"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or not valid(value):
+        _warn_once(variable, raw, f"is not auto or {expected}; using auto")
+        return None
+    return value
 
 
 def env_choice(variable: str, choices: tuple[str, ...]) -> str:

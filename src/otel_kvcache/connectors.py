@@ -65,14 +65,14 @@ class ConnectorTally:
 
     __slots__ = (
         "request", "role", "hit_tokens", "wait_started_ns", "wait_started_step", "wait_ns",
-        "failed_blocks", "recomputed_tokens", "finished_ns", "producer_traceparent", "span_id",
+        "failed_blocks", "recomputed_tokens", "producer_traceparent", "span_id",
     )  # fmt: skip
 
     def __init__(self, request: Any, role: str | None) -> None:
         self.request = request
         self.role = role
         self.hit_tokens = self.wait_started_ns = self.wait_started_step = self.wait_ns = 0
-        self.failed_blocks = self.recomputed_tokens = self.finished_ns = self.span_id = 0
+        self.failed_blocks = self.recomputed_tokens = self.span_id = 0
         self.producer_traceparent: str | None = None
 
 
@@ -183,9 +183,6 @@ class ConnectorTelemetry:
         request_id = request.request_id
         if request_id in self.engine.scheduler_requests:  # freed ones are gone from it
             self.held[request_id] = Held(time.monotonic(), self.engine.held_blocks(request_id))
-            tally = self.requests.get(request_id)
-            if tally is not None:
-                tally.finished_ns = time.monotonic_ns()
 
     def on_request_finished(self, request: Any, result: tuple[bool, dict | None]) -> tuple[bool, dict | None]:
         """After the connector's ``request_finished``: a producer in a hand-off (the proxy
@@ -208,10 +205,9 @@ class ConnectorTelemetry:
         tally = self.requests.pop(request_id, None)
         if tally is None:
             return None
-        now = time.monotonic_ns()
         if tally.wait_started_ns:  # released while waiting (aborted)
-            tally.wait_ns += now - tally.wait_started_ns
-        delayed = now - tally.finished_ns if held is not None and tally.finished_ns else -1
+            tally.wait_ns += time.monotonic_ns() - tally.wait_started_ns
+        delayed = int((time.monotonic() - held.since) * 1e9) if held is not None else -1
         return (
             self.name, tally.role, tally.hit_tokens, tally.wait_ns, tally.failed_blocks,
             tally.recomputed_tokens, delayed, tally.producer_traceparent, tally.span_id,

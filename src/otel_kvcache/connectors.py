@@ -17,7 +17,7 @@ pays nothing. Everything runs on the engine thread, per request touched:
   the connector until ``finished_sending`` (or ``finished_recving``) frees them.
 
 A producer's span context travels to the consumer in the ``kv_transfer_params`` the
-producer returns (``vllm_compat.PRODUCER_SPAN_PARAMETER``), as vLLM's proxy pattern
+producer returns (``names.PRODUCER_SPAN_PARAMETER``), as vLLM's proxy pattern
 passes them on; the producer's span is later built with that span id (``export.py``).
 """
 
@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from otel_kvcache import config, names
 from otel_kvcache.vllm_compat import (
-    PRODUCER_SPAN_PARAMETER,
     block_ids_of,
     connector_kv_role,
     connector_timeout_seconds,
@@ -113,7 +112,7 @@ class ConnectorTelemetry:
             role = request_connector_role(request.kv_transfer_params) or self.engine_role
             tally = self.requests[request.request_id] = ConnectorTally(request, role)
             if role == names.ROLE_CONSUMER and request.kv_transfer_params:
-                tally.producer_traceparent = request.kv_transfer_params.get(PRODUCER_SPAN_PARAMETER)
+                tally.producer_traceparent = request.kv_transfer_params.get(names.PRODUCER_SPAN_PARAMETER)
         tally.hit_tokens += num_external_tokens
         self.hit_tokens += num_external_tokens
         self._admitted.append(tally)
@@ -195,7 +194,7 @@ class ConnectorTelemetry:
             return result
         tally.span_id = random.getrandbits(64) or 1
         delay_free, params = result
-        params = {**(params or {}), PRODUCER_SPAN_PARAMETER: f"00-{trace_id}-{tally.span_id:016x}-01"}
+        params = {**(params or {}), names.PRODUCER_SPAN_PARAMETER: f"00-{trace_id}-{tally.span_id:016x}-01"}
         return delay_free, params
 
     def on_released(self, request_id: str) -> tuple | None:

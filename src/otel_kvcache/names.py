@@ -116,6 +116,10 @@ CONNECTOR_RECOMPUTED_TOKENS: Final = "vllm.kv_cache.connector.recomputed_tokens"
 CONNECTOR_DELAYED_FREE_SECONDS: Final = "vllm.kv_cache.connector.delayed_free_seconds"
 """Span attribute: from the request's finish to the return of its blocks to the pool,
 when the connector delayed the free (a send in progress)."""
+PRODUCER_SPAN_PARAMETER: Final = "otel_kvcache_producer_span"
+"""The key a producer adds to the ``kv_transfer_params`` it returns: its span's W3C
+``traceparent``. A proxy passes the parameters on as they are (vLLM's disaggregated-serving
+pattern), and the consumer's span links to that span; connectors ignore unknown keys."""
 ZOMBIE_REASON: Final = "vllm.kv_cache.zombie.reason"
 """Event attribute of ``kv_cache.zombie``: ``ZOMBIE_FINISHED`` or ``ZOMBIE_CONNECTOR_TIMEOUT``."""
 ZOMBIE_FINISHED: Final = "finished"

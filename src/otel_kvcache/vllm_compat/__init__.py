@@ -415,12 +415,6 @@ def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
 
 # --- KV connectors ------------------------------------------------------------
 
-PRODUCER_SPAN_PARAMETER = "otel_kvcache_producer_span"
-"""The key otel-kvcache adds to a producer's returned ``kv_transfer_params``: its span's
-W3C ``traceparent``. A proxy passes the parameters to the consumer as they are (vLLM's
-disaggregated-serving pattern), whose span links to it; connectors ignore unknown keys."""
-
-
 def kv_connector(scheduler: Any) -> Any | None:
     """The scheduler's KV connector (its scheduler side), or None."""
     return getattr(scheduler, "connector", None)
@@ -443,7 +437,7 @@ def request_connector_role(kv_transfer_params: dict | None) -> str | None:
         return None
     if kv_transfer_params.get("do_remote_decode"):
         return names.ROLE_PRODUCER
-    if kv_transfer_params.get("do_remote_prefill") or PRODUCER_SPAN_PARAMETER in kv_transfer_params:
+    if kv_transfer_params.get("do_remote_prefill") or names.PRODUCER_SPAN_PARAMETER in kv_transfer_params:
         return names.ROLE_CONSUMER
     return None
 

@@ -1,8 +1,9 @@
-"""KV connectors, on vLLM's real scheduler with its real NIXL connector (its scheduler
-side, which needs no NIXL library), the workers' connector output faked as vLLM's own
-tests/v1/kv_connector/unit fake it: remote prefill, remote decode with a delayed free,
-failed loads, and transfers that never end. Every number is checked against vLLM's
-request state, its prefill stats, and what it returns to the client."""
+"""KV connectors, on vLLM's real scheduler with its real NIXL and CPU-offloading connectors
+(their scheduler side, which needs no NIXL library and no GPU), the workers' connector
+output faked as vLLM's own tests/v1/kv_connector/unit fake it: remote prefill, remote
+decode with a delayed free, failed loads, transfers that never end, a prefix loaded back
+from CPU memory. Every number is checked against vLLM's request state, its prefill
+stats, and what it returns to the client."""
 
 from __future__ import annotations
 
@@ -214,6 +215,70 @@ def test_a_transfer_that_never_ends_is_stuck_then_a_zombie_past_the_connectors_t
     attrs = attributes(telemetry, "d-1")
     assert attrs[names.FINISH_REASON] == "abort"
     assert attrs[names.CONNECTOR_WAIT_SECONDS] >= 0.6
+
+
+class OffloadingWorker:
+    """Plays the offloading connector's workers: each step's store and load jobs (in the
+    scheduler's connector metadata) complete in the next step's output, as vLLM's
+    offloading tests complete them."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, tuple[str, str]] = {}
+
+    def take(self, scheduler_output) -> None:
+        metadata = scheduler_output.kv_connector_metadata
+        self.jobs.update((job_id, ("load", job.req_id)) for job_id, job in metadata.load_jobs.items())
+        self.jobs.update((job_id, ("store", job.req_id)) for job_id, job in metadata.store_jobs.items())
+
+    def output(self) -> KVConnectorOutput | None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+        if not self.jobs:
+            return None
+        done, self.jobs = self.jobs, {}
+        loaded = {request_id for kind, request_id in done.values() if kind == "load"}
+        return KVConnectorOutput(
+            finished_recving=loaded or None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1)),
+        )
+
+
+def test_cpu_offloading_loads_a_prefix_back_after_the_gpu_cache_lost_it(make_engine, telemetry):
+    offloading = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                  kv_connector_extra_config={"cpu_bytes_to_use": 64 << 20})  # fmt: skip
+    engine = make_engine(num_blocks=64, kv_transfer_config=offloading)
+    worker = OffloadingWorker()
+
+    def run(clock=None):
+        for _ in range(100):
+            if not (engine.scheduler.has_requests() or worker.jobs):
+                return
+            worker.take(engine.step(after_schedule=clock, kv_connector_output=worker.output()))
+        raise AssertionError("still busy after 100 steps")
+
+    engine.add(engine.make_request("a", 80, shared_prefix=80, max_tokens=8))
+    run()  # the request, and the store of its prompt's blocks to CPU memory
+    assert engine.scheduler.reset_prefix_cache()  # the GPU's copy is gone, the CPU's stays
+    b = engine.add(engine.make_request("b", 96, shared_prefix=80, max_tokens=4))
+    clock = Clock()
+    started = time.monotonic()
+    worker.take(engine.step(after_schedule=clock))
+    parked = clock.scheduled
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # loading back from CPU memory
+    loaded = b.num_computed_tokens
+    worker.take(engine.step(kv_connector_output=worker.output()))  # the load completes
+    ready = engine.truth.update_started, engine.truth.update_ended
+    run()
+
+    attrs = attributes(telemetry, "b")
+    assert attrs[names.CONNECTOR_NAME] == type(engine.scheduler.connector).__name__ == "OffloadingConnector"
+    assert attrs[names.CONNECTOR_HIT_TOKENS] == loaded == engine.truth.external_cached_tokens["b"] == 80
+    assert attrs[names.CACHE_READ_INPUT_TOKENS] == engine.truth.first_admission_cached_tokens["b"] + loaded
+    assert ready[0] - parked <= attrs[names.CONNECTOR_WAIT_SECONDS] <= ready[1] - started
+    assert names.CONNECTOR_ROLE not in attrs  # kv_both, and no hand-off parameters
+    stored = attributes(telemetry, "a")
+    assert stored[names.CONNECTOR_HIT_TOKENS] == 0
+    assert names.CONNECTOR_DELAYED_FREE_SECONDS not in stored  # its store never held its blocks
 
 
 def test_an_engine_without_a_connector_reports_none_of_it(engine, telemetry):

@@ -149,6 +149,19 @@ def test_remote_decode_holds_the_blocks_until_the_send_and_the_consumer_links_th
     assert consumer.attributes[names.CONNECTOR_HIT_TOKENS] == decode.truth.external_cached_tokens["p-1"] > 0
 
 
+@pytest.mark.parametrize("sent", ["not a traceparent", 42, f"00-{'0' * 32}-{'1' * 16}-01"])
+def test_a_consumer_given_a_bad_producer_span_links_nothing(make_engine, telemetry, sent):
+    decode = make_engine(num_blocks=64, kv_transfer_config=nixl("kv_consumer"))
+    params = {**remote_prefill("d-1", 5), names.PRODUCER_SPAN_PARAMETER: sent}  # from the client, as it is
+    decode.add(decode.make_request("d-1", 80, max_tokens=2, kv_transfer_params=params))
+    decode.step()
+    decode.step(kv_connector_output=KVConnectorOutput(finished_recving={"d-1"}))
+    decode.run()
+    span = telemetry.span_by_request()["d-1"]
+    assert span.attributes[names.CONNECTOR_ROLE] == names.ROLE_CONSUMER
+    assert not span.links
+
+
 @pytest.mark.parametrize(
     "failure, policy",
     [("invalid_block_ids", "recompute"), ("failed_recving", "recompute"), ("failed_recving", "fail")],

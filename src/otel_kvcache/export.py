@@ -168,12 +168,11 @@ def connector_attributes(connector: ConnectorRecord) -> dict[str, Any]:
 def _producer_link(connector: ConnectorRecord) -> list[Link]:
     """A consumer's link to the producer's span, from the ``traceparent`` the producer
     put in its ``kv_transfer_params`` (``connectors.py``)."""
-    parts = (connector.producer_traceparent or "").split("-")
-    try:
-        trace_id, span_id = int(parts[1], 16), int(parts[2], 16)
-    except (IndexError, ValueError):
+    try:  # a client may have sent anything under that key
+        _, trace_id, span_id, flags = connector.producer_traceparent.split("-")
+        producer = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16)))
+    except (AttributeError, ValueError):
         return []
-    producer = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(parts[3][:2] or "1", 16)))
     return [Link(producer, {names.CONNECTOR_ROLE: names.ROLE_PRODUCER})] if producer.is_valid else []
 
 

@@ -183,7 +183,7 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@pytest.mark.parametrize("page", [README, ROOT / "docs" / "design.md"], ids=lambda page: page.name)
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda page: page.name)
 def test_every_relative_link_leads_to_a_file(page):
     text = re.sub(r"(?ms)^\s*```.*?^\s*```", "", page.read_text())  # not inside code blocks
     anchors = {github_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}

@@ -28,7 +28,7 @@ STUCK_STEPS = "OTEL_KVCACHE_STUCK_STEPS"
 CONNECTOR_TIMEOUT_SECONDS = "OTEL_KVCACHE_CONNECTOR_TIMEOUT_SECONDS"
 """How long a KV connector may hold a finished request's blocks for a send, or keep a
 request waiting for remote KV, before it is a finding; ``auto`` (default): the
-connector's own timeout (``vllm_compat.connector_timeout_seconds``, 480 s for most)."""
+connector's own timeout (``vllm_compat.kv_transfer.connector_timeout_seconds``, 480 s for most)."""
 
 WHATIF_SAMPLE_RATE = "OTEL_KVCACHE_WHATIF_SAMPLE_RATE"
 """Share of block hashes the what-if curve samples, in (0, 1]; ``auto`` (default): about

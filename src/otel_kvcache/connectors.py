@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from otel_kvcache import config, names
-from otel_kvcache.vllm_compat import (
+from otel_kvcache.vllm_compat.kv_transfer import (
     block_ids_of,
     connector_kv_role,
     connector_timeout_seconds,

@@ -45,7 +45,8 @@ from otel_kvcache.propagation import (
 from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.signatures import method_like
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, describe_installed, free_queue, internals, kv_connector
+from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, describe_installed, free_queue, internals
+from otel_kvcache.vllm_compat.kv_transfer import kv_connector
 
 _vllm_log = logging.getLogger("vllm.otel_kvcache")
 

@@ -51,13 +51,13 @@ The main job: makes a tiny random-weight llama, serves it with vLLM's OpenAI
 server on the CPU under opentelemetry-instrument, loads it (requests sharing one
 system prompt, multi-turn chats, streaming clients that leave mid-answer), then
 prints each request's KV span, the pool's metrics and the leak gate's verdict,
-and writes a picture of it all to OUT/report.html.
+and writes a picture of it all to DIR/report.html.
 scripts/demo.sh builds the environment (.venv) first if it needs to."""
 
 EPILOG = f"""\
 environment:
   OTEL_EXPORTER_OTLP_ENDPOINT        send the telemetry to this collector
-                                     instead of OUT/otlp (then no report)
+                                     instead of DIR/otlp (then no report)
   {EXCLUDE_ASGI_SPANS}  ASGI spans FastAPI's instrumentation
                                      leaves out (default here: {EXCLUDED_ASGI_SPANS})"""
 
@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
     print(f"leak gate (otel-kvcache-gate --otlp-dir {otlp}):")
     leaks = gate.main(["--otlp-dir", str(otlp)])
-    write_report(otlp, args.out / "report.html")
-    print(f"report (otel-kvcache report --otlp-dir {otlp}): {args.out / 'report.html'}")
+    report_path = args.out / "report.html"
+    write_report(otlp, report_path)
+    print(f"report (otel-kvcache report --otlp-dir {otlp} -o {report_path}): {report_path}")
     return 0 if len(spans) == len(sent) and leaks == 0 else 1
 
 

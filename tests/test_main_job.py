@@ -138,7 +138,7 @@ def _printed_totals(stdout: str) -> dict:
 def test_readme_command_1_writes_a_report_with_the_tables_totals(main_job):
     result, out = main_job
     report = out / "report.html"
-    assert f"report (otel-kvcache report --otlp-dir {out / 'otlp'}): {report}" in result.stdout
+    assert f"report (otel-kvcache report --otlp-dir {out / 'otlp'} -o {report}): {report}" in result.stdout
     page = report.read_text()
     summary = json.loads(re.search(r'<script type="application/json" id="summary">(.*?)</script>', page, re.S).group(1))
     printed = _printed_totals(result.stdout)

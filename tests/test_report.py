@@ -282,7 +282,7 @@ def test_without_the_report_extra_it_says_how_to_install_it(run_files, tmp_path,
     monkeypatch.setitem(sys.modules, "altair", None)  # import altair raises ImportError
     code, err = _report_exit(capsys, run_files, tmp_path)
     assert code == 2
-    assert "pip install 'otel-kvcache[report]'" in err, err
+    assert "pip install '.[report]'" in err, err
 
 
 def test_the_command_is_on_the_path(run_files, tmp_path):

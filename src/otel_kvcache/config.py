@@ -32,7 +32,7 @@ connector's own timeout (``vllm_compat.kv_transfer.connector_timeout_seconds``, 
 
 WHATIF_SAMPLE_RATE = "OTEL_KVCACHE_WHATIF_SAMPLE_RATE"
 """Share of block hashes the what-if curve samples, in (0, 1]; ``auto`` (default): about
-1,024 blocks per pool's worth (``whatif.default_sample_rate``)."""
+256 blocks per pool's worth (``whatif.default_sample_rate``)."""
 
 EXPORTER_PROCESS = "OTEL_KVCACHE_EXPORTER_PROCESS"
 """Build request spans in a helper process: ``auto`` (default: when the SDK is

@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from otel_kvcache import config, names
+from otel_kvcache.propagation import remote_span_context, traceparent_for
 from otel_kvcache.vllm_compat.kv_transfer import (
     block_ids_of,
     connector_kv_role,
@@ -35,6 +36,7 @@ from otel_kvcache.vllm_compat.kv_transfer import (
     kv_connector,
     kv_connector_output,
     request_connector_role,
+    statuses_handing_kv_on,
     waiting_for_remote_kvs_status,
 )
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
 
 
-class ConnectorRecord(NamedTuple):
+class ConnectorSummary(NamedTuple):
     """What a finished request's span reports about its connector (``RequestEnded.connector``)."""
 
     name: str
@@ -102,6 +104,7 @@ class ConnectorTelemetry:
         self.patched: list[tuple[Any, str, Any]] = []
         """(scheduler or connector, method, our bound method), for ``uninstrument()``."""
         self._waiting = waiting_for_remote_kvs_status()
+        self._handing_kv_on = statuses_handing_kv_on()
 
     # --- hooks -------------------------------------------------------------------
 
@@ -185,20 +188,25 @@ class ConnectorTelemetry:
 
     def on_request_finished(self, request: Any, result: tuple[bool, dict | None]) -> tuple[bool, dict | None]:
         """After the connector's ``request_finished``: a producer in a hand-off (the proxy
-        sent it ``kv_transfer_params``) adds its span's context to those it returns."""
+        sent it ``kv_transfer_params``) adds its span's context to those it returns. The
+        only hook that changes vLLM's answer, and only by that key: where the connector
+        hands nothing on for a request that did not finish normally, it stays nothing."""
         tally = self.requests.get(request.request_id)
         if tally is None or tally.role != names.ROLE_PRODUCER or request.kv_transfer_params is None:
             return result
-        trace_id = _trace_id(request.trace_headers)
-        if trace_id is None:
+        delay_free, params = result
+        if params is None and request.status not in self._handing_kv_on:
+            return result
+        headers = self.engine.trace_headers_of(request)
+        caller = remote_span_context(headers.get("traceparent") if headers else None)
+        if caller is None:
             return result
         tally.span_id = random.getrandbits(64) or 1
-        delay_free, params = result
-        params = {**(params or {}), names.PRODUCER_SPAN_PARAMETER: f"00-{trace_id}-{tally.span_id:016x}-01"}
-        return delay_free, params
+        traceparent = traceparent_for(caller.trace_id, tally.span_id, caller.trace_flags)
+        return delay_free, {**(params or {}), names.PRODUCER_SPAN_PARAMETER: traceparent}
 
     def on_released(self, request_id: str) -> tuple | None:
-        """The request's blocks went back to the pool: its ``ConnectorRecord`` for the span,
+        """The request's blocks went back to the pool: its ``ConnectorSummary`` for the span,
         as a plain tuple (``marshal`` takes no named tuple)."""
         held = self.held.pop(request_id, None)
         tally = self.requests.pop(request_id, None)
@@ -220,10 +228,6 @@ class ConnectorTelemetry:
 
     # --- findings and readings ------------------------------------------------------
 
-    def overdue_holds(self, now: float) -> list[tuple[str, Held]]:
-        """Finished requests held for the connector past its timeout."""
-        return [(rid, held) for rid, held in list(self.held.items()) if now - held.since >= self.timeout]
-
     def overdue_waits(self) -> list[tuple[str, float, int]]:
         """Requests waiting for remote KV past the connector's timeout: (id, seconds, steps)."""
         now, step, timeout_ns = time.monotonic_ns(), self.engine.step, self.timeout * 1e9
@@ -239,10 +243,3 @@ class ConnectorTelemetry:
         if not holds:
             return 0, 0, 0.0
         return sum(h.blocks for h in holds), len(holds), time.monotonic() - min(h.since for h in holds)
-
-
-def _trace_id(trace_headers: Any) -> str | None:
-    """The trace id of a W3C ``traceparent`` among the request's headers."""
-    traceparent = trace_headers.get("traceparent") if trace_headers else None
-    parts = traceparent.split("-") if isinstance(traceparent, str) else ()
-    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None

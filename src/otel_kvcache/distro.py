@@ -27,7 +27,8 @@ RESOURCE_DETECTOR = "vllm"
 
 
 class VLLMKVCacheConfigurator(_OTelSDKConfigurator):
-    """The SDK's own configurator, registered under otel-kvcache's name."""
+    """The SDK's own configurator, registered under otel-kvcache's name. Subclassing the
+    SDK's private class is what ``opentelemetry-distro`` does too: there is no public one."""
 
 
 class VLLMKVCacheDistro(BaseDistro):

@@ -22,11 +22,9 @@ from otel_kvcache.vllm_compat import (
     HOOK_POINTS,
     PARAMETERS,
     HookPoint,
-    describe_installed,
-    installed_vllm,
-    installed_vllm_version,
 )
 from otel_kvcache.vllm_compat.internals import INTERNALS, is_present
+from otel_kvcache.vllm_compat.versions import describe_installed, installed_vllm, installed_vllm_version
 
 
 def hook_point_status(point: HookPoint) -> tuple[str, str]:
@@ -53,6 +51,8 @@ def _sdk_lines() -> list[str]:
         found = sorted(f"{ep.name} ({ep.value})" for ep in entry_points(group=group))
         lines.append(f"  {what}: {', '.join(found) or 'none installed: opentelemetry-instrument configures nothing'}")
     try:
+        # The SDK's private functions, as in helper.py: resolving exporters the way
+        # opentelemetry-instrument would has no public API.
         from opentelemetry.sdk._configuration import _get_exporter_names, _import_exporters
 
         for signal in ("traces", "metrics", "logs"):

@@ -56,7 +56,6 @@ from otel_kvcache.tally import (
 )
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import RequestEnded, RequestExporter
-from otel_kvcache.instruments import KVCacheInstruments
 from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
 from otel_kvcache.whatif import PrefixReuse, default_sample_rate
@@ -67,9 +66,11 @@ from otel_kvcache.vllm_compat import (
     kv_bytes_per_block,
     lookup_keys,
     may_hold_null_blocks,
+    prefix_cache_lookup_test,
     request_being_scheduled,
     resumed_request_ids,
     statuses_waiting_for_blocks,
+    trace_headers_reader,
 )
 
 if TYPE_CHECKING:
@@ -84,7 +85,6 @@ class EngineTelemetry:
         self,
         scheduler: Any,
         exporter: RequestExporter | ExporterProcess,
-        instruments: KVCacheInstruments,
         errors: InstrumentationErrors,
     ) -> None:
         manager = scheduler.kv_cache_manager
@@ -122,7 +122,8 @@ class EngineTelemetry:
         """vLLM's own live requests, by id: those still ours to account for."""
         self._finish_reasons = finish_reasons_by_status()
         self._waiting_for_blocks = statuses_waiting_for_blocks()
-        self._lookup_enabled = manager.prefix_cache_lookup_enabled
+        self._lookup_enabled = prefix_cache_lookup_test(manager)
+        self.trace_headers_of = trace_headers_reader()
         self.reconciler = Reconciler(self, scheduler)
         rate = config.whatif_sample_rate()
         self.reuse = PrefixReuse(self.pool.limit, default_sample_rate(self.pool.limit) if rate is None else rate)
@@ -133,7 +134,6 @@ class EngineTelemetry:
         self._chores_due = 0.0
         self.connectors: ConnectorTelemetry | None = None
         """The KV connector's accounting, for an engine that has one (set by ``patch.py``)."""
-        instruments.engines.add(self)
 
     # --- helpers ------------------------------------------------------------
 
@@ -269,8 +269,9 @@ class EngineTelemetry:
         tally[PREEMPTIONS] += 1
         tally[RECOMPUTED_TOKENS] += computed
         close_admission_period(tally, released)
-        self.reuse.on_freed(reversed(request.block_hashes[: computed // self.block_size]))
         self.event(request.request_id, names.EVENT_PREEMPTED, released, (computed, preempted_for))
+        # The what-if curve last: a failure there costs it, not the span's event.
+        self.reuse.on_freed(reversed(request.block_hashes[: computed // self.block_size]))
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
@@ -288,8 +289,6 @@ class EngineTelemetry:
         tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
         tally[STILL_HELD] = self.held_blocks(request_id)
-        if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
-            self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))
         tally[INPUT_TOKENS] = request.num_prompt_tokens
         tally[OUTPUT_TOKENS] = request.num_output_tokens
         self.computed_tokens += request.num_computed_tokens + tally[RECOMPUTED_TOKENS]
@@ -304,7 +303,7 @@ class EngineTelemetry:
             self.exporter.request_ended(
                 RequestEnded(
                     request_id,
-                    request.trace_headers,
+                    self.trace_headers_of(request),
                     self._finish_reasons[request.status],
                     tally.tobytes(),
                     events,
@@ -312,6 +311,9 @@ class EngineTelemetry:
                     connector,
                 )
             )
+        # The what-if curve after the hand-over: a failure there costs it, not the span.
+        if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
+            self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))
         if not self.scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): look now.
             self.pool.settle()

@@ -33,11 +33,12 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import Meter
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags, Tracer
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Tracer
 
 from otel_kvcache import names
 from otel_kvcache import tally
-from otel_kvcache.connectors import ConnectorRecord
+from otel_kvcache.connectors import ConnectorSummary
+from otel_kvcache.propagation import remote_span_context
 
 _findings_logger = logging.getLogger("otel_kvcache.findings")
 
@@ -98,7 +99,7 @@ class FinishedRequest(NamedTuple):
     still_held: int
     """Blocks vLLM still attributes to the request after releasing it: a leak."""
     engine_attributes: dict[str, Any]
-    connector: ConnectorRecord | None
+    connector: ConnectorSummary | None
     """What went through the engine's KV connector, on an engine that has one."""
 
 
@@ -117,7 +118,7 @@ class RequestEnded(NamedTuple):
     engine_attributes: tuple[tuple[str, Any], ...]
     """As ``(name, value)`` pairs (a mapping also does)."""
     connector: tuple | None = None
-    """A ``ConnectorRecord``'s fields, on an engine with a KV connector."""
+    """A ``ConnectorSummary``'s fields, on an engine with a KV connector."""
 
 
 def finished_request(ended: RequestEnded) -> FinishedRequest:
@@ -145,12 +146,12 @@ def finished_request(ended: RequestEnded) -> FinishedRequest:
         finish_reason=finish_reason,
         events=events,
         engine_attributes=dict(engine_attributes),
-        connector=ConnectorRecord._make(connector) if connector else None,
+        connector=ConnectorSummary._make(connector) if connector else None,
         **dict(zip(tally.REPORTED, counts)),
     )
 
 
-def connector_attributes(connector: ConnectorRecord) -> dict[str, Any]:
+def connector_attributes(connector: ConnectorSummary) -> dict[str, Any]:
     attributes = {
         names.CONNECTOR_NAME: connector.name,
         names.CONNECTOR_HIT_TOKENS: connector.hit_tokens,
@@ -165,15 +166,11 @@ def connector_attributes(connector: ConnectorRecord) -> dict[str, Any]:
     return attributes
 
 
-def _producer_link(connector: ConnectorRecord) -> list[Link]:
+def _producer_link(connector: ConnectorSummary) -> list[Link]:
     """A consumer's link to the producer's span, from the ``traceparent`` the producer
     put in its ``kv_transfer_params`` (``connectors.py``)."""
-    try:  # a client may have sent anything under that key
-        _, trace_id, span_id, flags = connector.producer_traceparent.split("-")
-        producer = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16)))
-    except (AttributeError, ValueError):
-        return []
-    return [Link(producer, {names.CONNECTOR_ROLE: names.ROLE_PRODUCER})] if producer.is_valid else []
+    producer = remote_span_context(connector.producer_traceparent)
+    return [Link(producer, {names.CONNECTOR_ROLE: names.ROLE_PRODUCER})] if producer is not None else []
 
 
 class PresetSpanIds(IdGenerator):
@@ -182,7 +179,9 @@ class PresetSpanIds(IdGenerator):
     A producer's span is built when its blocks come back, after the consumer has
     taken its KV and linked to it: the id must be chosen first. The SDK's ``Tracer``
     asks its ``id_generator`` attribute for each span id; this one stands in front of
-    the tracer's own (ours alone: the SDK makes a ``Tracer`` per ``get_tracer``). A
+    the tracer's own (ours alone: the SDK makes a ``Tracer`` per ``get_tracer``). That
+    attribute is undocumented: the SDK's only public way to choose ids is the provider's
+    ``id_generator``, and the provider is the user's, shared with every other span. A
     tracer that is not the SDK's gets no preset ids, and consumers' links to its
     producers' spans point at no span.
     """

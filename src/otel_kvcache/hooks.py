@@ -22,7 +22,8 @@ from types import FunctionType, ModuleType
 
 import wrapt
 
-from otel_kvcache.vllm_compat import HookPoint, installed_vllm_version
+from otel_kvcache.vllm_compat import HookPoint
+from otel_kvcache.vllm_compat.versions import installed_vllm_version
 
 if TYPE_CHECKING:
     from otel_kvcache.patch import Wrapper

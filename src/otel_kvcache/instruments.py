@@ -185,9 +185,7 @@ class KVCacheInstruments:
 
     def _snapshots(self):
         for engine in list(self.engines):
-            snapshot = engine.snapshot
-            if snapshot is not None:
-                yield engine.attributes, snapshot
+            yield engine.attributes, engine.snapshot
 
     def _observe_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
         for attributes, snapshot in self._snapshots():

@@ -75,12 +75,11 @@ class Reconciler:
         if now >= self.due:
             self.run()
 
-    def run(self) -> LeakReport:
+    def run(self) -> None:
         now = time.monotonic()
         self.report = self._reconcile(now)
         finished = time.monotonic()
         self.due = finished + (max(self.interval, (finished - now) / RECONCILE_BUDGET) if self.interval else 0.0)
-        return self.report
 
     def _reconcile(self, now: float) -> LeakReport:
         engine = self.engine

@@ -175,8 +175,8 @@ gave back (preempted, released)."""
 BLOCKS_LIMIT: Final = "vllm.kv_cache.blocks.limit"
 """Observable gauge, ``{block}``: usable blocks in the pool (vLLM's null block excluded)."""
 UTILIZATION: Final = "vllm.kv_cache.utilization"
-"""Observable gauge, ``1``: used / limit. Unlike vLLM's ``kv_cache_usage_perc``,
-evictable prefix-cache blocks do not count as used."""
+"""Observable gauge, ``1``: used / limit. As in vLLM's ``kv_cache_usage_perc``,
+evictable prefix-cache blocks count as free (they are in vLLM's free queue)."""
 PREFIX_CACHE_MISSES: Final = "vllm.kv_cache.prefix_cache.misses"
 """Observable counter, ``{token}``: looked-up tokens the prefix cache did not serve, by ``MISS_REASON``."""
 MISS_REASON: Final = "vllm.kv_cache.miss.reason"

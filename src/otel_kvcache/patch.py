@@ -45,7 +45,8 @@ from otel_kvcache.propagation import (
 from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.signatures import method_like
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, describe_installed, free_queue, internals
+from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, free_queue, internals
+from otel_kvcache.vllm_compat.versions import describe_installed
 from otel_kvcache.vllm_compat.kv_transfer import kv_connector
 
 _vllm_log = logging.getLogger("vllm.otel_kvcache")
@@ -252,7 +253,8 @@ def _bound_result(hook: str, errors: InstrumentationErrors, on_result: Callable[
 
 def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors: InstrumentationErrors) -> None:
     """Binds the connector's hook points to this scheduler and its connector object.
-    A point the installed vLLM lacks is reported once by name, as the class-level ones are."""
+    A point the installed vLLM lacks is reported once by name, as the class-level ones are;
+    one we fail to bind is counted and left as vLLM's."""
     builders = {
         "connector_output": lambda hook: _bound_around(hook, errors, connectors.before_output, connectors.after_output),
         "finished": lambda hook: _bound_after_first(hook, errors, connectors.on_finished),
@@ -267,9 +269,13 @@ def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors
             if point.owner != "SupportsHMA":
                 _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
             continue
-        method = builders[point.role](point.qualname)(as_vllm_calls_it(original))
-        bound = MethodType(functools.wraps(original)(method), target)
-        setattr(target, point.method, bound)
+        try:
+            method = builders[point.role](point.qualname)(as_vllm_calls_it(original))
+            bound = MethodType(functools.wraps(original)(method), target)
+            setattr(target, point.method, bound)
+        except Exception as exc:  # noqa: BLE001 - e.g. a connector whose parameters we cannot copy
+            errors.count(point.qualname, exc)
+            continue
         connectors.patched.append((target, point.method, bound))
 
 
@@ -291,13 +297,14 @@ def scheduler_init_wrapper(
         try:
             if internals.core_missing():  # each reported once, by name, with the version
                 return
-            engine = EngineTelemetry(instance, exporter_for(), instruments, errors)
+            engine = EngineTelemetry(instance, exporter_for(), errors)
             if kv_connector(instance) is not None:
                 engine.connectors = ConnectorTelemetry(engine, instance)
                 patch_connector_hooks(instance, engine.connectors, errors)
             manager = instance.kv_cache_manager
             for owner in (instance, manager, manager.block_pool, free_queue(manager.block_pool)):
                 setattr(owner, ENGINE_ATTRIBUTE, engine)
+            instruments.engines.add(engine)  # its gauges are read once its hooks feed it
             # In vLLM's own log (its logger's handler), where an operator looks at start-up.
             _vllm_log.info(
                 "otel-kvcache %s: KV telemetry on for engine %s; %s",

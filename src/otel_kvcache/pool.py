@@ -56,7 +56,7 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
-from otel_kvcache.vllm_compat import block_hash_reader, free_queue, pool_size, usable_blocks
+from otel_kvcache.vllm_compat import block_hash_reader, block_references, free_queue, pool_size, usable_blocks
 
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64
@@ -391,8 +391,7 @@ class PoolTracker:
 
     def references(self) -> int:
         """Block references (``ref_cnt``) over the pool, the null block's left out."""
-        null_block = getattr(self.pool, "null_block", None)
-        return sum(map(_REF_CNT, self.pool.blocks)) - (null_block.ref_cnt if null_block is not None else 0)
+        return block_references(self.pool)
 
     def used_blocks(self) -> int:
         return self.limit - self.pool.get_num_free_blocks()

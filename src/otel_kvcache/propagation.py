@@ -12,21 +12,31 @@ vLLM 0.30 and 0.31 drop the headers earlier, in the serving layer's
 ``_get_trace_headers``, which returns None unless tracing is on: there we keep
 the caller's context ourselves (``recover_trace_headers_wrapper``), and vLLM's
 own answer stays as it was.
+
+Between a prefill and a decode engine, a producer's span travels as a W3C
+``traceparent`` in the ``kv_transfer_params`` vLLM hands on (``connectors.py``):
+``traceparent_for`` writes it and ``remote_span_context`` reads it, both through
+the W3C propagator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 from contextvars import ContextVar
 
 from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.vllm_compat import first_argument
 
 # Only the W3C trace context travels; baggage (user data) stays in the API server.
 _TRACE_CONTEXT = TraceContextTextMapPropagator()
+
+def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
+    return args[0] if args else kwargs[name]
+
 
 _incoming_trace_headers: ContextVar[Mapping[str, str] | None] = ContextVar(
     "otel_kvcache_incoming_trace_headers", default=None
@@ -93,3 +103,21 @@ def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
         return result
 
     return wrapper
+
+
+def remote_span_context(traceparent: object) -> SpanContext | None:
+    """The span a W3C ``traceparent`` names, or None where it names none (it may come
+    from a client, as anything)."""
+    if not isinstance(traceparent, str):
+        return None
+    context = _TRACE_CONTEXT.extract({"traceparent": traceparent})
+    span_context = trace.get_current_span(context).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+def traceparent_for(trace_id: int, span_id: int, trace_flags: TraceFlags) -> str:
+    """The W3C ``traceparent`` of a span in that trace, sampled as ``trace_flags`` say."""
+    span = NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=False, trace_flags=trace_flags))
+    carrier: dict[str, str] = {}
+    _TRACE_CONTEXT.inject(carrier, trace.set_span_in_context(span))
+    return carrier["traceparent"]

@@ -130,7 +130,7 @@ class _Window:
 
     def totals(self, now: float) -> array:
         total = array("d", bytes(8 * (3 + len(SCALES))))
-        for started, sums in self._buckets:
+        for started, sums in list(self._buckets):  # one C call: the engine thread may append meanwhile
             if now - started <= WINDOW_SECONDS:
                 for index, value in enumerate(sums):
                     total[index] = max(total[index], value) if index == _PEAK else total[index] + value

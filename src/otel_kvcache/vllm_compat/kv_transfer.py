@@ -68,6 +68,14 @@ def waiting_for_remote_kvs_status() -> Any:
     return RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
+def statuses_handing_kv_on() -> frozenset:
+    """The finishes after which a producer's KV goes on to a consumer: length-capped or
+    stopped. NIXL answers any other (an abort, an error) with no parameters, on purpose."""
+    from vllm.v1.request import RequestStatus
+
+    return frozenset({RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED})
+
+
 def block_ids_of(manager: Any, request_id: str) -> list[int]:
     """The request's block ids over all KV-cache groups."""
     return [block_id for group in manager.get_block_ids(request_id) for block_id in group]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 
 import pytest
 from opentelemetry import trace
@@ -175,6 +176,14 @@ def test_the_gate_passes_a_clean_run_and_fails_a_leaking_one(
     assert "engine 0" not in err
     # Tolerances are the gate's to set.
     assert gate.main(["--otlp-dir", str(tmp_path / "leaking"), "--max-zombie-requests", "1"]) == 0
+
+
+def test_the_gate_says_so_when_it_cannot_read_the_endpoint(capsys):
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/metrics"
+    assert gate.main(["--prometheus", url]) == 2
+    assert f"FAIL: cannot read {url}" in capsys.readouterr().err
 
 
 def test_the_gate_reads_a_prometheus_endpoints_text():

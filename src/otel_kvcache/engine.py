@@ -311,14 +311,14 @@ class EngineTelemetry:
                     connector,
                 )
             )
-        # The what-if curve after the hand-over: a failure there costs it, not the span.
-        if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
-            self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))
         if not self.scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): look now.
             self.pool.settle()
             self.reconciler.run()
             self.exporter.flush()
+        # The what-if curve last: a failure there costs it, not the span nor the idle pass.
+        if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
+            self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))
 
     # --- chores and readings ---------------------------------------------------------
 

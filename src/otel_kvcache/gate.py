@@ -13,6 +13,7 @@ hit ratio by more than X (0.05: five points), by the what-if curve.
 from __future__ import annotations
 
 import argparse
+import http.client
 import re
 import sys
 import urllib.request
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with urllib.request.urlopen(args.prometheus, timeout=30) as response:
                 text = response.read().decode()
-        except OSError as exc:  # unreachable, refused, an HTTP error
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # unreachable, refused, not a URL
             print(f"otel-kvcache gate: FAIL: cannot read {args.prometheus}: {exc}", file=sys.stderr)
             return 2
         readings, gains = readings_from_prometheus(text), hit_gains_from_prometheus(text)

@@ -294,6 +294,7 @@ def scheduler_init_wrapper(
         wrapped(*args, **kwargs)
         if not is_instrumentation_enabled():
             return
+        engine = None
         try:
             if internals.core_missing():  # each reported once, by name, with the version
                 return
@@ -314,6 +315,8 @@ def scheduler_init_wrapper(
             )
         except Exception as exc:  # noqa: BLE001
             errors.count(hook, exc)
+            if engine is not None and engine.connectors is not None:  # leave vLLM's methods as they were
+                unpatch_connector_hooks(engine.connectors)
 
     return wrapper
 

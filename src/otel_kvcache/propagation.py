@@ -22,8 +22,8 @@ the W3C propagator.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 from contextvars import ContextVar
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
@@ -33,6 +33,7 @@ from otel_kvcache.errors import InstrumentationErrors
 
 # Only the W3C trace context travels; baggage (user data) stays in the API server.
 _TRACE_CONTEXT = TraceContextTextMapPropagator()
+
 
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
     return args[0] if args else kwargs[name]

@@ -68,9 +68,18 @@ def waiting_for_remote_kvs_status() -> Any:
     return RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
+def hands_kv_on_in_parameters(connector: Any) -> bool:
+    """Whether the consumer needs the parameters the producer's connector returns (NIXL,
+    Mooncake, MoRIIO): its None then means that nothing goes on. The others (the example
+    connector, LMCache, the offloading and storage connectors) move KV through storage and
+    return none."""
+    name = type(connector).__name__
+    return name.startswith(("Nixl", "MoRIIO")) or name == "MooncakeConnector"
+
+
 def statuses_handing_kv_on() -> frozenset:
     """The finishes after which a producer's KV goes on to a consumer: length-capped or
-    stopped. NIXL answers any other (an abort, an error) with no parameters, on purpose."""
+    stopped (NIXL; Mooncake and MoRIIO take length-capped ones only)."""
     from vllm.v1.request import RequestStatus
 
     return frozenset({RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED})

@@ -46,8 +46,8 @@ from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.signatures import method_like
 from otel_kvcache.version import __version__
 from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, free_queue, internals
-from otel_kvcache.vllm_compat.versions import describe_installed
 from otel_kvcache.vllm_compat.kv_transfer import kv_connector
+from otel_kvcache.vllm_compat.versions import describe_installed
 
 _vllm_log = logging.getLogger("vllm.otel_kvcache")
 

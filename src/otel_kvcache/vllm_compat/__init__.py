@@ -55,7 +55,6 @@ BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
 
 
-
 class HookPoint(NamedTuple):
     module: str
     owner: str

@@ -19,7 +19,9 @@ without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
   frame's records are dropped;
 - ``helper_died``: records written to a helper that then died before it
   acknowledged them (it writes ``pid done failed`` lines back on its stdout
-  after each batch of frames), and those a dead helper that is not replaced would get;
+  after each batch of frames), and those a dead helper that is not replaced would get.
+  A helper killed between sending a batch and saying so has those counted too:
+  the counter may count a batch that arrived, never miss one that did not;
 - ``export``: spans the helper's exporter refused or failed to send, as the
   helper acknowledged them.
 

@@ -167,7 +167,7 @@ def test_a_killed_helper_is_replaced_and_the_drop_counter_covers_what_was_lost(t
     finally:
         server.stop()
     # Every request has its span, once, or is counted. A span can be counted and arrive all the
-    # same only if the helper was killed after sending it and before saying so: one of a record
+    # same only if the helper was killed after sending it and before saying so, so only a record
     # handed over before the kill.
     arrived_ids = [span.trace_id for _, span in arrived]
     assert len(set(arrived_ids)) == len(arrived_ids)

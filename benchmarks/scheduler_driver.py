@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from harness.scheduler import VOCAB_SIZE, make_model_config, make_scheduler
+from harness.scheduler import VOCAB_SIZE, make_model_config, make_scheduler, model_runner_output
 
 BLOCK_SIZE = 16
 
@@ -141,11 +140,7 @@ class Driver:
         scheduler = self.scheduler
         output = scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[[7]] * len(req_ids),
-        )
+        runner_output = model_runner_output(req_ids, [[7]] * len(req_ids))
         before = len(scheduler.requests)
         scheduler.update_from_output(output, runner_output)
         self.finished += before - len(scheduler.requests)

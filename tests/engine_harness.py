@@ -12,14 +12,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from harness.scheduler import VOCAB_SIZE, make_scheduler
+from harness.scheduler import VOCAB_SIZE, make_scheduler, model_runner_output
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 
@@ -163,10 +163,9 @@ class EngineHarness:
             self.truth.peak_blocks[request_id] = max(self.truth.peak_blocks[request_id], held)
             self.truth.last_held_blocks[request_id] = held
         req_ids = list(output.num_scheduled_tokens)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[[(self.steps + i) % VOCAB_SIZE] for i in range(len(req_ids))],
+        runner_output = model_runner_output(
+            req_ids,
+            [[(self.steps + i) % VOCAB_SIZE] for i in range(len(req_ids))],
             kv_connector_output=kv_connector_output,
         )
         self.truth.update_started = time.monotonic()
@@ -259,7 +258,7 @@ def busy_run_decisions(model_config) -> tuple:
             (
                 sorted(out.num_scheduled_tokens.items()),
                 sorted(r.req_id for r in out.scheduled_new_reqs),
-                sorted(out.scheduled_cached_reqs.resumed_req_ids),
+                sorted(getattr(out.scheduled_cached_reqs, "resumed_req_ids", ())),  # 0.34: among the new ones
                 sorted(out.preempted_req_ids or ()),
                 sorted(out.finished_req_ids),
             )

@@ -82,12 +82,13 @@ def test_a_missing_hook_point_is_reported_once_and_the_rest_still_works(caplog):
         return wrapper
 
     patcher = LazyPatcher([missing, present], {"counted": factory})
-    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+    # At DEBUG: an engine's start-up line names it, as every missing hook point (test_next_release.py).
+    with caplog.at_level(logging.DEBUG, logger="vllm.otel_kvcache"):
         patcher.start()
     try:
         warnings = [r.getMessage() for r in caplog.records]
         assert len(warnings) == 1
-        assert "Scheduler._method_vllm_never_had" in warnings[0] and "0.32.0" in warnings[0]
+        assert "Scheduler._method_vllm_never_had" in warnings[0] and "0.33.0" in warnings[0]
         assert hasattr(_current(present), "__wrapped__")
     finally:
         patcher.stop()

@@ -289,3 +289,36 @@ def test_mixed_traffic_evicts_what_vllm_evicts_as_old_as_it_was(make_engine, tel
 
     assert engine.truth.prefix_hits > 0
     assert truth["evicted"] > 20, "the pool must evict often for this test to mean anything"
+
+
+def test_cached_blocks_given_back_at_the_head_are_cached_until_popped_and_then_evicted(make_engine, telemetry):
+    """vLLM 0.34's ``free_blocks(..., evict_first=True)``, as its CPU-offloading connector
+    uses it in lazy mode: it takes cached blocks off the free queue (``touch``) to copy
+    them, then gives them back at the head, still cached: a prefix can hit them until
+    the head is popped, which evicts them first."""
+    import inspect
+
+    engine = make_engine(num_blocks=NUM_BLOCKS)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    if "evict_first" not in inspect.signature(pool.free_blocks).parameters:
+        pytest.skip("vLLM before 0.34 always appends cached blocks")
+    engine.add(engine.make_request("warm", prompt_len=96, shared_prefix=64, max_tokens=4))
+    engine.add(engine.make_request("other", prompt_len=96, max_tokens=4))
+    engine.run()  # leaves cached blocks behind
+    free_cached = [b for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+    stored = free_cached[:4]  # the head's cached blocks, as the lazy store takes them
+    pool.touch(stored)
+    pool.free_blocks(stored, evict_first=True)
+    assert pool.free_block_queue.get_all_free_blocks()[: len(stored)] == stored  # at the head, still cached
+    engine.step()
+    assert telemetry.blocks_by_state() == engine.pool_scan()
+
+    def check(harness):
+        assert telemetry.blocks_by_state() == harness.pool_scan(), f"step {harness.steps}"
+
+    # A prefix hit on the shared blocks, and a request big enough to pop the head.
+    engine.add(engine.make_request("hit", prompt_len=96, shared_prefix=64, max_tokens=4))
+    engine.add(engine.make_request("big", prompt_len=200, max_tokens=4))
+    engine.run(after_step=check)
+    assert engine.events.removed_hashes > 0
+    assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes

@@ -56,7 +56,7 @@ from otel_kvcache.package import _instruments, _instruments_any
 from otel_kvcache.patch import build_wrappers, unpatch_connector_hooks
 from otel_kvcache.resource import handed_down_attributes
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import HOOK_POINTS
+from otel_kvcache import vllm_compat
 
 __all__ = ["VLLMKVCacheInstrumentor", "__version__"]
 
@@ -103,7 +103,7 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
             def exporter_for():
                 return in_process
 
-        self._patcher = LazyPatcher(HOOK_POINTS, build_wrappers(exporter_for, instruments, errors))
+        self._patcher = LazyPatcher(vllm_compat.HOOK_POINTS, build_wrappers(exporter_for, instruments, errors))
         self._patcher.start()
         self._kv_instruments = instruments
 

@@ -1,48 +1,21 @@
 """``otel-kvcache doctor``: what this vLLM offers the instrumentation, and what it would export.
 
 It prints the installed vLLM and whether it is verified, every hook point and
-internal (found, changed or missing, and the telemetry that depends on each),
+internal (found, read from a fallback, changed or missing, and the telemetry
+that depends on each: ``vllm_compat.survey``, as the engine's start-up line),
 and how ``opentelemetry-instrument`` (or vLLM's plugin entry point) would
 configure the SDK here. It exits 1 when the request span cannot be made.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 from importlib.metadata import entry_points
 
 from otel_kvcache import config
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import (
-    CORE_ROLES,
-    FEEDS,
-    CONNECTOR_HOOK_POINTS,
-    HOOK_POINTS,
-    PARAMETERS,
-    HookPoint,
-)
-from otel_kvcache.vllm_compat.internals import INTERNALS, is_present
-from otel_kvcache.vllm_compat.versions import describe_installed, installed_vllm, installed_vllm_version
-
-
-def hook_point_status(point: HookPoint) -> tuple[str, str]:
-    """``found``, ``changed`` (with how) or ``missing``, for the installed vLLM."""
-    try:
-        owner = getattr(importlib.import_module(point.module), point.owner)
-    except (ImportError, AttributeError):
-        return "missing", f"no {point.owner} in {point.module}"
-    method = owner.__dict__.get(point.method)
-    if method is None:
-        inherited = "inherited, not hooked" if callable(getattr(owner, point.method, None)) else "not there"
-        return "missing", inherited
-    wanted = PARAMETERS.get(point.role)
-    if wanted:
-        parameters = list(inspect.signature(method).parameters)[1:]  # after the instance
-        if tuple(parameters[: len(wanted)]) != wanted:
-            return "changed", f"takes ({', '.join(parameters)}), verified with ({', '.join(wanted)}, ...)"
-    return "found", ""
+from otel_kvcache.vllm_compat import survey
+from otel_kvcache.vllm_compat.versions import describe_installed, installed_vllm, is_verified
 
 
 def _sdk_lines() -> list[str]:
@@ -81,32 +54,35 @@ def _sdk_lines() -> list[str]:
 
 def report() -> tuple[list[str], bool]:
     """The lines to print, and whether the request span can be made."""
-    lines = [f"otel-kvcache {__version__}", f"vLLM: {describe_installed()}", "", "hook points:"]
-    healthy = installed_vllm() is not None
-    installed = installed_vllm_version()
-    for point in HOOK_POINTS:
-        if not point.applies_to(installed):
-            lines.append(f"  {'n/a':8} {point.qualname:48} only before vLLM {point.until}")
-            continue
-        status, detail = hook_point_status(point)
-        healthy &= status == "found" or point.role not in CORE_ROLES
-        note = FEEDS[point.role] if status == "found" else f"{detail}; not recorded: {FEEDS[point.role]}"
-        lines.append(f"  {status:8} {point.qualname:48} {note}")
+    lines = [f"otel-kvcache {__version__}", f"vLLM: {describe_installed()}"]
+    if installed_vllm() is not None and not is_verified():
+        lines.append(
+            "  not a release otel-kvcache was verified on: what is found below is hooked and read; "
+            "what is changed or missing is switched off, and everything else is recorded"
+        )
+    engine = survey.survey()
+    healthy = installed_vllm() is not None and survey.spans_possible(engine)
+    lines += ["", "hook points:", *_finding_lines(f for f in engine if f.kind == "hook point")]
     lines += ["", "hook points on an engine with a KV connector (patched on it as it starts):"]
-    for point in CONNECTOR_HOOK_POINTS:
-        status, detail = hook_point_status(point)
-        note = FEEDS[point.role] if status == "found" else f"{detail}; not recorded: {FEEDS[point.role]}"
-        lines.append(f"  {status:8} {point.qualname:48} {note}")
-    lines += ["", "internals:"]
-    for internal in INTERNALS:
-        present = is_present(internal)
-        healthy &= present or not internal.core
-        status = "found" if present else "missing"
-        note = internal.feeds if present else f"not recorded: {internal.feeds}"
-        lines.append(f"  {status:8} {internal.qualname:48} {note}")
+    lines += _finding_lines(survey.connector_hook_points())
+    lines += ["", "internals:", *_finding_lines(f for f in engine if f.kind == "internal")]
     lines += ["", "OpenTelemetry SDK, as opentelemetry-instrument (or the vLLM plugin) would configure it:", *_sdk_lines()]
-    lines += ["", "ready: the request span can be made" if healthy else "NOT READY: the request span cannot be made"]
+    lines += ["", "ready: the request span can be made" if healthy else f"NOT READY: {survey.NO_SPANS}"]
     return lines, healthy
+
+
+def _finding_lines(findings) -> list[str]:
+    lines = []
+    for finding in findings:
+        if finding.status == "n/a":
+            note = finding.detail
+        elif finding.status == "found":
+            note = f"{finding.feeds} ({finding.detail})" if finding.detail else finding.feeds
+        else:
+            detail = f"{finding.detail}; " if finding.detail else ""
+            note = f"{detail}not recorded: {finding.costs}"
+        lines.append(f"  {finding.status:8} {finding.qualname:48} {note}")
+    return lines
 
 
 def main() -> int:

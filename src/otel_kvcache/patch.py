@@ -30,7 +30,6 @@ from typing import Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
-from otel_kvcache import names
 from otel_kvcache.connectors import ConnectorTelemetry
 from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
@@ -45,9 +44,9 @@ from otel_kvcache.propagation import (
 from otel_kvcache.resource import name_child_process_wrapper
 from otel_kvcache.signatures import method_like
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, free_queue, internals
+from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, engine_index, free_queue
 from otel_kvcache.vllm_compat.kv_transfer import kv_connector
-from otel_kvcache.vllm_compat.versions import describe_installed
+from otel_kvcache.vllm_compat.survey import start_up
 
 _vllm_log = logging.getLogger("vllm.otel_kvcache")
 
@@ -296,7 +295,11 @@ def scheduler_init_wrapper(
             return
         engine = None
         try:
-            if internals.core_missing():  # each reported once, by name, with the version
+            # In vLLM's own log (its logger's handler), where an operator looks at start-up:
+            # on an unverified release, or with anything missing, a warning naming each gap.
+            start = start_up(engine_index(instance.vllm_config))
+            (_vllm_log.warning if start.warn else _vllm_log.info)("otel-kvcache %s: %s", __version__, start.line)
+            if not start.ready:  # what is missing is named in that line, with what it costs
                 return
             engine = EngineTelemetry(instance, exporter_for(), errors)
             if kv_connector(instance) is not None:
@@ -306,13 +309,6 @@ def scheduler_init_wrapper(
             for owner in (instance, manager, manager.block_pool, free_queue(manager.block_pool)):
                 setattr(owner, ENGINE_ATTRIBUTE, engine)
             instruments.engines.add(engine)  # its gauges are read once its hooks feed it
-            # In vLLM's own log (its logger's handler), where an operator looks at start-up.
-            _vllm_log.info(
-                "otel-kvcache %s: KV telemetry on for engine %s; %s",
-                __version__,
-                engine.attributes[names.ENGINE_INDEX],
-                describe_installed(),
-            )
         except Exception as exc:  # noqa: BLE001
             errors.count(hook, exc)
             if engine is not None and engine.connectors is not None:  # leave vLLM's methods as they were

@@ -7,8 +7,8 @@ O(blocks) per step, and hooking ``get_new_blocks`` (dozens of calls a step)
 costs more than the rest of the instrumentation together, so ``PoolTracker``
 mirrors the free queue's order instead.
 
-vLLM's free queue is always [blocks without a hash][blocks with one, least
-recently freed first]: ``free_blocks`` prepends the former and appends the
+vLLM's free queue is [blocks without a hash][blocks with one, least
+recently freed first] (but for 0.34's ``evict_first``, below): ``free_blocks`` prepends the former and appends the
 latter (``prepend_n``, ``append_n``), ``get_new_blocks`` pops from the head,
 ``touch`` takes prefix hits out of the back. The tracker keeps the back part
 as runs, one per ``append_n`` call (blocks cached at the same instant, in
@@ -38,6 +38,13 @@ collects its youngest generation; a second's worth of new runs (and vLLM's
 lists with them) waiting to be settled tipped that balance: a collection every
 quarter second on churn, each a few milliseconds spent walking vLLM's young
 requests and their token lists.
+
+From 0.34, ``free_blocks(..., evict_first=True)`` (only the CPU-offloading
+connector in lazy mode, which takes cached blocks off the head to copy them,
+then gives them back there) prepends cached blocks. They are kept by id, with
+when they were freed (``_front``), and looked at each step while there are
+any: one whose prefix changed, or that is in use again without a prefix hit,
+was popped and evicted.
 
 Entries of the back part that hold no prefix are dead: ``unpin_blocks``
 (hisparse) appends blocks with or without a hash, and a KV connector's
@@ -132,6 +139,7 @@ class PoolTracker:
         "_eager_appends",
         "_unpinning",
         "_hit",
+        "_front",
     )
 
     def __init__(self, pool: Any) -> None:
@@ -146,6 +154,8 @@ class PoolTracker:
         # Block id -> the block's hash (its prefix) when a prefix hit last reused it:
         # void once the block holds another hash, i.e. was evicted since.
         self._hit: dict[int, Any] = {}
+        self._front: dict[int, tuple[Any, float]] = {}
+        """Cached blocks vLLM put at the head of the queue (``evict_first``): id -> (hash, freed at)."""
         self._pops, self._popped_at = array("q"), array("d")
         self._spare_runs: list[Run] = []
         self.due = time.monotonic() + SETTLE_SECONDS
@@ -165,6 +175,7 @@ class PoolTracker:
         self._unindexed: list = cached
         self.cached = self._queued = len(cached)
         del self._pops[:], self._popped_at[:]
+        self._front.clear()
         self._may_hold_dead = False
         self._empty_runs = 0
         self._eager_appends = 0
@@ -177,6 +188,8 @@ class PoolTracker:
         grow over them); ``_take_pops_off_runs`` takes them off the runs (about once a
         second, at a ``settle``, or at once while the back part may hold dead entries)."""
         # The back part is free blocks: whatever it holds beyond them was popped.
+        if self._front:
+            self._settle_front(now)
         popped = self._queued - self.queue.num_free_blocks
         if popped > 0:
             self._pops.append(popped)  # first: a reading in between counts them twice, not never
@@ -186,9 +199,38 @@ class PoolTracker:
                 self._take_pops_off_runs()
 
     def before_prepending(self, blocks: Any) -> None:
-        """Before ``prepend_n``: pops not yet counted must be, before the front part grows."""
+        """Before ``prepend_n``: pops not yet counted must be, before the front part grows.
+
+        From 0.34, ``free_blocks(..., evict_first=True)`` (the CPU-offloading connector
+        in lazy mode) prepends cached blocks too, to be evicted first. A request's first
+        block is hashed before its later ones, and vLLM frees the last first: the list's
+        last block tells, at one read, whether any of them holds a prefix."""
         if self._queued > self.queue.num_free_blocks:  # rarely: releases come after the step's pops
             self.note_pops(time.monotonic())
+        if blocks and self._block_hash(blocks[-1]) is not None:
+            self._cached_at_the_head(blocks)
+
+    def _cached_at_the_head(self, blocks: Any) -> None:
+        now, front, block_hash = time.monotonic(), self._front, self._block_hash
+        for block in blocks:
+            prefix = block_hash(block)
+            if prefix is not None:
+                front[block.block_id] = (prefix, now)
+                self.cached += 1
+
+    def _settle_front(self, now: float) -> None:
+        """The cached blocks at the head that left the queue since the last look, but
+        through a prefix hit (``on_touching``): popped for reuse, so evicted. O(such
+        blocks), at each step while there are any: the head is popped first, so they
+        seldom stay long."""
+        blocks, block_hash = self.pool.blocks, self._block_hash
+        gone = [(block_id, freed_at) for block_id, (prefix, freed_at) in self._front.items()
+                if block_hash(blocks[block_id]) is not prefix or blocks[block_id].ref_cnt]  # fmt: skip
+        if gone:
+            oldest = max(now - freed_at for _, freed_at in gone)
+            for block_id, _ in gone:
+                del self._front[block_id]
+            self._count_evictions(len(gone), sum(now - freed_at for _, freed_at in gone), oldest)
 
     def settle_if_due(self, now: float) -> None:
         if now >= self.due:
@@ -317,9 +359,12 @@ class PoolTracker:
     def _take_back(self, blocks: Sequence[Any]) -> None:
         self._index_new_runs()
         self._eager_appends = EAGER_APPENDS
-        run_of = self._run_of
+        run_of, front = self._run_of, self._front
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:  # null ones stand in for skipped blocks
+                if front and front.pop(block.block_id, None) is not None:  # at the head (evict_first)
+                    self.cached -= 1
+                    continue
                 run = run_of[block.block_id]
                 if run is not None and run.live:
                     run_of[block.block_id] = None
@@ -345,6 +390,11 @@ class PoolTracker:
         self._index_new_runs()
         blocks, run_of, now = self.pool.blocks, self._run_of, time.monotonic()
         for block_id in block_ids:
+            head = self._front.pop(block_id, None) if self._front else None
+            if head is not None:  # at the head (evict_first): its place is the head's
+                age = now - head[1]
+                self._count_evictions(1, age, age)
+                continue
             run = run_of[block_id]
             block = blocks[block_id]
             if run is not None and run.live and block.ref_cnt == 0 and self._block_hash(block) is not None:

@@ -39,6 +39,7 @@ What changed between the releases we support, and what it means here:
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
@@ -259,13 +260,13 @@ def free_queue(block_pool: Any) -> Any:
 
 def pool_size(block_pool: Any) -> int:
     """Block ids in the pool, the null block included."""
-    return block_pool.num_gpu_blocks
+    return block_pool.num_gpu_blocks if internals.has("num_gpu_blocks") else len(block_pool.blocks)
 
 
 def usable_blocks(block_pool: Any) -> int:
     """Blocks requests can hold: vLLM reserves one as a placeholder ("null block")
     that is never handed out."""
-    return block_pool.num_gpu_blocks - 1
+    return pool_size(block_pool) - 1
 
 
 def blocks_by_request(type_manager: Any) -> dict[str, list]:
@@ -292,8 +293,40 @@ def trace_headers_reader() -> Callable[[Any], Any]:
     return attrgetter("trace_headers") if internals.has("trace_headers") else lambda request: None
 
 
-resumed_request_ids = attrgetter("scheduled_cached_reqs.resumed_req_ids")
-"""A step's resumed (previously preempted) requests, from ``schedule()``'s output (one C call)."""
+def new_requests_reader() -> Callable[[Any], Any]:
+    """A step's newly scheduled requests (``NewRequestData``, by ``req_id``) from
+    ``schedule()``'s output; from 0.34 on, resumed ones among them."""
+    return attrgetter("scheduled_new_reqs") if internals.has("new_requests") else _nothing
+
+
+def resumed_request_ids_reader() -> Callable[[Any], Any]:
+    """A step's resumed (previously preempted) requests from ``schedule()``'s output (one
+    C call), where vLLM lists them apart (up to 0.33). 0.34 sends them again in full
+    among the new requests, where the admission path tells them by their preemption."""
+    if internals.has("cached_requests") and internals.has("resumed_req_ids"):
+        return attrgetter("scheduled_cached_reqs.resumed_req_ids")
+    return _nothing
+
+
+def _nothing(_: Any) -> tuple:
+    return ()
+
+
+def arrival_time_reader() -> Callable[[Any], float]:
+    """A request's arrival (``Request.arrival_time``, seconds since the epoch); where vLLM
+    keeps none, now: the engine's first sight of it (its first admission attempt)."""
+    return attrgetter("arrival_time") if internals.has("arrival_time") else _now
+
+
+def _now(_: Any) -> float:
+    return time.time()
+
+
+def scheduler_block_size(scheduler: Any) -> int:
+    """Tokens per KV block, as the scheduler counts them."""
+    if internals.has("block_size"):
+        return scheduler.block_size
+    return scheduler.cache_config.block_size
 
 
 def running_status() -> Any:
@@ -349,8 +382,9 @@ _IS_NULL = attrgetter("is_null")
 
 
 def block_hash_reader(block: Any) -> Any:
-    """Reads a block's prefix hash: ``KVCacheBlock.block_hash`` is a property over
-    the ``_block_hash`` slot (0.32), which ``attrgetter`` reads without a Python call."""
+    """Reads a block's prefix hash: up to 0.33 ``KVCacheBlock.block_hash`` is a property
+    over the ``_block_hash`` slot, which ``attrgetter`` reads without a Python call;
+    0.34 made the slot itself ``block_hash``."""
     return attrgetter("_block_hash" if hasattr(block, "_block_hash") else "block_hash")
 
 

@@ -4,22 +4,19 @@ A hook point that is missing is reported by the patcher (``hooks.py``); an
 attribute or a local name that is missing would fail later, inside our own
 code, at every call. So each is looked for once, in vLLM's code itself (the
 names its ``__init__`` assigns, a dataclass's fields, a method's locals), when
-the first engine is built and by ``otel-kvcache doctor``: a missing one is
-reported once, by name, with the installed version, and only what depends on
-it is switched off.
+the first engine is built and by ``otel-kvcache doctor``. Where vLLM offers a
+second source (``fallback``), that is read instead; a missing one is reported
+in the engine's start-up line (``survey.py``), and only what depends on it is
+switched off. An internal the request span cannot be made without says why
+(``why_core``): vLLM keeps it nowhere else.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 from functools import lru_cache
 from typing import NamedTuple
-
-from otel_kvcache.vllm_compat.versions import installed_vllm_version
-
-_logger = logging.getLogger(__name__)
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 OUTPUT = "vllm.v1.core.sched.output"
@@ -40,9 +37,16 @@ class Internal(NamedTuple):
     ``method`` (defined on the class), or ``local`` (of the method ``where``)."""
     feeds: str
     """The telemetry that depends on it."""
-    core: bool = False
-    """Whether the request span cannot be made without it."""
+    why_core: str = ""
+    """Why the request span cannot be made without it (no second source in vLLM
+    gives it): empty for an internal the span survives the loss of."""
     where: str = "__init__"
+    fallback: Internal | None = None
+    """A second source in vLLM, read where this one is gone (``read_from``)."""
+
+    @property
+    def core(self) -> bool:
+        return bool(self.why_core)
 
     @property
     def qualname(self) -> str:
@@ -51,34 +55,55 @@ class Internal(NamedTuple):
         return f"{self.owner}.{self.name}"
 
 
+_NO_SECOND_SOURCE = "vLLM keeps it nowhere else"
+
 INTERNALS: tuple[Internal, ...] = (
-    Internal("scheduler_requests", SCHEDULER, "Scheduler", "requests", "assigned", "every request's span", core=True),
-    Internal("kv_cache_manager", SCHEDULER, "Scheduler", "kv_cache_manager", "assigned", "everything", core=True),
-    Internal("block_size", SCHEDULER, "Scheduler", "block_size", "assigned", "block counts in tokens", core=True),
+    Internal("scheduler_requests", SCHEDULER, "Scheduler", "requests", "assigned", "every request's span",
+             why_core="the only map from a scheduled request id to its Request"),
+    Internal("kv_cache_manager", SCHEDULER, "Scheduler", "kv_cache_manager", "assigned", "everything",
+             why_core="every KV read starts from it"),
+    Internal("block_size", SCHEDULER, "Scheduler", "block_size", "assigned", "block counts in tokens",
+             fallback=Internal("cache_config", SCHEDULER, "Scheduler", "cache_config", "assigned",
+                               "block counts in tokens (its block_size)")),
     Internal("deferred_frees", SCHEDULER, "Scheduler", "deferred_frees", "assigned",
              "orphaned-block counts while frees wait behind an in-flight step"),
     Internal("schedule_request_local", SCHEDULER, "Scheduler", "request", "local",
              "the stall of the request a preemption made room for", where="schedule"),
-    Internal("block_pool", MANAGER, "KVCacheManager", "block_pool", "assigned", "the pool's metrics", core=True),
+    Internal("block_pool", MANAGER, "KVCacheManager", "block_pool", "assigned", "the pool's metrics",
+             why_core=_NO_SECOND_SOURCE + ": the pool whose blocks the span counts"),
     Internal("coordinator", MANAGER, "KVCacheManager", "coordinator", "assigned", "blocks held per request",
-             core=True),
+             why_core=_NO_SECOND_SOURCE + ": the per-group managers holding each request's blocks"),
     Internal("lookup_enabled", MANAGER, "KVCacheManager", "prefix_cache_lookup_enabled", "method",
              "prefix-cache queries and hits"),
     Internal("req_to_blocks", SINGLE_TYPE, "SingleTypeKVCacheManager", "req_to_blocks", "assigned",
-             "blocks held per request", core=True),
-    Internal("free_block_queue", POOL, "BlockPool", "free_block_queue", "assigned", "the pool's metrics", core=True),
-    Internal("num_gpu_blocks", POOL, "BlockPool", "num_gpu_blocks", "assigned", "the pool's size", core=True),
-    Internal("num_free_blocks", UTILS, "FreeKVCacheBlockQueue", "num_free_blocks", "assigned",
-             "free blocks", core=True),
-    Internal("block_ref_cnt", UTILS, "KVCacheBlock", "ref_cnt", "field", "the pool's composition", core=True),
-    Internal("block_hash", UTILS, "KVCacheBlock", "_block_hash", "field", "cached blocks and their hits"),
-    Internal("new_requests", OUTPUT, "SchedulerOutput", "scheduled_new_reqs", "field", "admissions", core=True),
+             "blocks held per request", why_core=_NO_SECOND_SOURCE + ": each request's block list"),
+    Internal("free_block_queue", POOL, "BlockPool", "free_block_queue", "assigned", "the pool's metrics",
+             why_core="the pool's composition mirrors its order, and the span's pool readings its length"),
+    Internal("num_gpu_blocks", POOL, "BlockPool", "num_gpu_blocks", "assigned", "the pool's size",
+             fallback=Internal("pool_blocks", POOL, "BlockPool", "blocks", "assigned", "the pool's size")),
+    Internal("num_free_blocks", UTILS, "FreeKVCacheBlockQueue", "num_free_blocks", "assigned", "free blocks",
+             why_core="read at every admission, release and step (a plain attribute; a method call there "
+                      "would cost the engine thread more than the budget)"),
+    Internal("block_ref_cnt", UTILS, "KVCacheBlock", "ref_cnt", "field", "the pool's composition",
+             why_core=_NO_SECOND_SOURCE + ": which blocks are in use"),
+    # A property over the _block_hash slot up to 0.33; 0.34 made the slot itself public.
+    Internal("block_hash", UTILS, "KVCacheBlock", "_block_hash", "field", "cached blocks and their hits",
+             fallback=Internal("public_block_hash", UTILS, "KVCacheBlock", "block_hash", "field",
+                               "cached blocks and their hits")),
+    Internal("new_requests", OUTPUT, "SchedulerOutput", "scheduled_new_reqs", "field",
+             "admissions (the span's admission time, first blocks and prefix hits)"),
+    # 0.34 sends a resumed request again in full, among the new ones: the admission path
+    # tells a resumption by the preemption it saw.
     Internal("cached_requests", OUTPUT, "SchedulerOutput", "scheduled_cached_reqs", "field", "resumptions",
-             core=True),
+             fallback=Internal("new_requests", OUTPUT, "SchedulerOutput", "scheduled_new_reqs", "field",
+                               "resumptions")),
     Internal("resumed_req_ids", OUTPUT, "CachedRequestData", "resumed_req_ids", "field", "resumptions",
-             core=True),
+             fallback=Internal("new_requests", OUTPUT, "SchedulerOutput", "scheduled_new_reqs", "field",
+                               "resumptions")),
     Internal("trace_headers", REQUEST, "Request", "trace_headers", "assigned", "the span's place in the trace"),
-    Internal("arrival_time", REQUEST, "Request", "arrival_time", "assigned", "the span's start", core=True),
+    # Without it a span starts when the engine first saw the request (its first
+    # admission attempt or release), which leaves out its wait before that.
+    Internal("arrival_time", REQUEST, "Request", "arrival_time", "assigned", "the span's start at arrival"),
 )  # fmt: skip
 
 
@@ -107,23 +132,22 @@ def _slots(owner: type) -> set[str]:
 
 @lru_cache(maxsize=1)
 def missing() -> frozenset[str]:
-    """The keys of the internals the installed vLLM lacks, each reported once (at the first call)."""
-    absent = frozenset(internal.key for internal in INTERNALS if not is_present(internal))
-    for internal in INTERNALS:
-        if internal.key in absent:
-            _logger.warning(
-                "otel-kvcache: vLLM %s has no %s; %s %s",
-                installed_vllm_version(),
-                internal.qualname,
-                "no KV telemetry is recorded" if internal.core else "not recorded:",
-                "" if internal.core else internal.feeds,
-            )
-    return absent
+    """The keys of the internals the installed vLLM lacks (a fallback may stand in)."""
+    return frozenset(internal.key for internal in INTERNALS if not is_present(internal))
 
 
 def has(key: str) -> bool:
     return key not in missing()
 
 
+def read_from(internal: Internal) -> Internal | None:
+    """The internal read for ``internal``: itself, its fallback, or None if neither is there."""
+    if internal.key not in missing():
+        return internal
+    if internal.fallback is not None and is_present(internal.fallback):
+        return internal.fallback
+    return None
+
+
 def core_missing() -> list[str]:
-    return [internal.qualname for internal in INTERNALS if internal.core and internal.key in missing()]
+    return [internal.qualname for internal in INTERNALS if internal.core and read_from(internal) is None]

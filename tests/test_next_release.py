@@ -210,3 +210,11 @@ def test_a_later_vllm_is_instrumented_by_opentelemetry_instrument(tmp_path):
     assert "SPANS req-0 req-1 req-2 req-3" in result.stdout, result.stdout + result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "otel-kvcache" in line and "0.99.0" in line]
     assert len(warnings) == 1 and "not verified" in warnings[0], result.stderr[-3000:]
+
+    # doctor says so too, and that it is still ready.
+    doctor_run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "otel-kvcache"), "doctor"],
+                                capture_output=True, text=True, timeout=300, env=environment, cwd=ROOT)  # fmt: skip
+    assert doctor_run.returncode == 0, doctor_run.stdout + doctor_run.stderr
+    assert f"vLLM: {distribution} 0.99.0, not verified" in doctor_run.stdout
+    assert "not a release otel-kvcache was verified on" in doctor_run.stdout
+    assert "ready: the request span can be made" in doctor_run.stdout

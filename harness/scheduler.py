@@ -76,10 +76,12 @@ def make_scheduler(
     kv_events: bool = True,
     kv_cache_metrics_sample: float | None = None,
     kv_transfer_config: KVTransferConfig | None = None,
+    **scheduler_options,
 ) -> Scheduler:
     """A real Scheduler on one full-attention KV group; ``kv_cache_metrics_sample``
     turns on vLLM's own ``--kv-cache-metrics`` at that sample rate, ``kv_transfer_config``
-    gives it a KV connector (its scheduler side: NIXL's needs no NIXL library)."""
+    gives it a KV connector (its scheduler side: NIXL's needs no NIXL library); other
+    keywords go to its ``SchedulerConfig`` (``max_num_inflight_kv_loads``, from 0.34)."""
     observability = (
         ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=kv_cache_metrics_sample)
         if kv_cache_metrics_sample
@@ -93,6 +95,7 @@ def make_scheduler(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=MAX_MODEL_LEN,
                 is_encoder_decoder=False,
+                **scheduler_options,
             ),
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),

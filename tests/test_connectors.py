@@ -11,6 +11,7 @@ import secrets
 import time
 
 import pytest
+from engine_harness import KVTransfers, nixl_both
 from vllm.config import KVTransferConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
@@ -333,3 +334,24 @@ def test_uninstrument_takes_the_hooks_off_the_engine_it_patched(make_engine, tel
     decode.step()
     decode.step(kv_connector_output=KVConnectorOutput(finished_recving={"d-1"}))
     decode.run()  # vLLM's own methods again
+
+
+def test_loads_waiting_for_an_inflight_slot_are_not_stalls(make_engine, telemetry):
+    """vLLM 0.34's ``--max-num-inflight-kv-loads``: a request whose remote KV cannot start
+    loading yet waits at the head of ``async_kv_waiting`` with no allocation failure,
+    step after step; only what vLLM's ``allocate_slots`` refused is a stall."""
+    from vllm.config import SchedulerConfig
+
+    if "max_num_inflight_kv_loads" not in SchedulerConfig.__dataclass_fields__:
+        pytest.skip("vLLM before 0.34 has no cap on in-flight KV loads")
+    transfers = KVTransfers(make_engine(num_blocks=64, kv_transfer_config=nixl_both(), max_num_inflight_kv_loads=1),
+                            recv_steps=4)
+    for _ in range(6):  # three of them load remote KV, one at a time
+        transfers.add(prompt_len=48)
+    transfers.run()
+    truth = transfers.harness.truth
+    assert transfers.loads == 3
+    spans = telemetry.span_by_request()
+    assert telemetry.total(names.ALLOCATION_STALLS) == len(truth.stalls)
+    for request_id, span in spans.items():
+        assert span.attributes[names.ALLOCATION_STALLS] == sum(1 for rid, _ in truth.stalls if rid == request_id), request_id

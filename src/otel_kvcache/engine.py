@@ -60,6 +60,8 @@ from otel_kvcache.leaks import Reconciler
 from otel_kvcache.pool import PoolSnapshot, PoolTracker, snapshot_of
 from otel_kvcache.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.vllm_compat import (
+    allocation_failed,
+    allocation_watch,
     arrival_time_reader,
     engine_index,
     finish_reasons_by_status,
@@ -113,6 +115,9 @@ class EngineTelemetry:
         self.recomputed_tokens = 0
         self.last_attempt: Any = None
         """The step's last admission attempt, the only one that can stall (set by its hook, ``patch.py``)."""
+        self._watch_allocation = allocation_watch()
+        self._schedule_frame: Any = None
+        """The running ``schedule()``'s frame, from the step's attempts until it returned."""
         self.pending_hits: dict[str, int] = {}  # prefix-hit tokens of admissions under way, by request id
         self.type_managers = tuple(
             (type_manager, may_hold_null_blocks(type_manager))
@@ -182,6 +187,8 @@ class EngineTelemetry:
     def on_admission_attempt(self, request: Any) -> None:
         """After ``_get_local_prefix_cache_hit``: the step's latest admission attempt."""
         self.last_attempt = request
+        if self._watch_allocation is not None:
+            self._schedule_frame = self._watch_allocation()
 
     def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
         """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
@@ -212,7 +219,9 @@ class EngineTelemetry:
         attempt = self.last_attempt
         if attempt is not None:
             self.last_attempt = None
-            if attempt.status in self._waiting_for_blocks:  # not admitted (it would be running now)
+            schedule_frame, self._schedule_frame = self._schedule_frame, None  # its locals go with it
+            # Not admitted (it would be running now), and not skipped or held back by vLLM.
+            if attempt.status in self._waiting_for_blocks and allocation_failed(schedule_frame):
                 self.on_stall(attempt)
         if self.connectors is not None:
             self.connectors.after_schedule()

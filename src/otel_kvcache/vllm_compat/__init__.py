@@ -57,6 +57,7 @@ import sys
 import time
 from collections.abc import Callable
 from operator import attrgetter, countOf
+from types import FrameType
 from typing import Any, NamedTuple
 
 from packaging.version import Version
@@ -262,10 +263,39 @@ def request_being_scheduled() -> Any | None:
     """
     if not internals.has("schedule_request_local"):
         return None
-    frame = sys._getframe(1)
+    frame = _schedule_frame()
+    return None if frame is None else frame.f_locals.get(SCHEDULE_REQUEST_LOCAL)
+
+
+def _schedule_frame() -> FrameType | None:
+    """The frame of the ``Scheduler.schedule`` call running now (under ours), or None."""
+    frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_name != "schedule":
         frame = frame.f_back
-    return None if frame is None else frame.f_locals.get(SCHEDULE_REQUEST_LOCAL)
+    return frame
+
+
+SCHEDULE_ALLOCATION_LOCAL = "new_blocks"
+"""The local of ``Scheduler.schedule`` holding its latest ``allocate_slots`` result: None
+when the waiting loop's last allocation failed, after which vLLM admits no more (0.30-0.34;
+its running loop leaves it None only when it preempted, and then skips the waiting loop)."""
+
+
+def allocation_watch() -> Callable[[], Any] | None:
+    """Called at an admission attempt: returns what tells, once ``schedule()`` returned,
+    whether that step ended on an allocation failure (``allocation_failed``). None where
+    vLLM's ``schedule`` has no such local (an attempt left waiting then counts as one)."""
+    return _schedule_frame if internals.has("schedule_allocation_local") else None
+
+
+def allocation_failed(schedule_frame: FrameType | None) -> bool:
+    """Whether the step whose ``schedule()`` frame this is (returned: its locals stay
+    readable) ended its waiting loop on an allocation failure. A request that vLLM
+    skipped (0.34's encoder-cache pressure, a connector not ready) or held back (0.34's
+    ``--max-num-inflight-kv-loads``) stays waiting with no failure: no stall."""
+    if schedule_frame is None:
+        return True
+    return schedule_frame.f_locals.get(SCHEDULE_ALLOCATION_LOCAL, ()) is None
 
 
 def free_queue(block_pool: Any) -> Any:

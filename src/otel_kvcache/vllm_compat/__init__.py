@@ -292,11 +292,21 @@ when the waiting loop's last allocation failed, after which vLLM admits no more 
 its running loop leaves it None only when it preempted, and then skips the waiting loop)."""
 
 
-def allocation_watch() -> Callable[[], Any] | None:
+def allocation_watch(vllm_config: Any) -> Callable[[], Any] | None:
     """Called at an admission attempt: returns what tells, once ``schedule()`` returned,
-    whether that step ended on an allocation failure (``allocation_failed``). None where
-    vLLM's ``schedule`` has no such local (an attempt left waiting then counts as one)."""
-    return _schedule_frame if internals.has("schedule_allocation_local") else None
+    whether that step ended on an allocation failure (``allocation_failed``).
+
+    None where nothing but a failed allocation leaves the step's last attempt waiting,
+    so that the engine thread pays nothing for it (the frame costs about 0.35 % of the
+    gate's wide workload, ``benchmarks/RESULTS.md``): vLLM holds a request back only
+    with ``--max-num-inflight-kv-loads`` (0.34) and skips one under encoder-cache
+    pressure only for multimodal input. None too where ``schedule`` has no such local."""
+    holds_back = getattr(vllm_config.scheduler_config, "max_num_inflight_kv_loads", None) is not None
+    model = vllm_config.model_config
+    multimodal = model is not None and getattr(model, "is_multimodal_model", False)
+    if not (holds_back or multimodal) or not internals.has("schedule_allocation_local"):
+        return None
+    return _schedule_frame
 
 
 def allocation_failed(schedule_frame: FrameType | None) -> bool:

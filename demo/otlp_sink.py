@@ -44,7 +44,12 @@ class OTLPSink:
     """Receives traces, metrics and logs on ``127.0.0.1:<port>``."""
 
     def __init__(
-        self, directory: str | Path | None = None, port: int = 0, refuse: bool = False, trace_delay: float = 0.0
+        self,
+        directory: str | Path | None = None,
+        port: int = 0,
+        refuse: bool = False,
+        trace_delay: float = 0.0,
+        max_message_bytes: int | None = None,
     ) -> None:
         self.directory = Path(directory) if directory else None
         self.trace_delay = trace_delay
@@ -55,7 +60,10 @@ class OTLPSink:
         """Spans refused so far."""
         self._lock = threading.Lock()
         self.requests: dict[str, list] = {kind: [] for kind, *_ in _SERVICES}
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        # gRPC's default limit, and the Collector's, is 4 MiB: larger requests are refused
+        # as RESOURCE_EXHAUSTED before they reach a servicer.
+        options = [("grpc.max_receive_message_length", max_message_bytes)] if max_message_bytes else []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
         for kind, base, response, add_to_server in _SERVICES:
             add_to_server(_servicer(base, kind, response)(self), self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")

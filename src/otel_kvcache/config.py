@@ -55,6 +55,14 @@ default none): its ``exclude_spans`` option, which the distro and the plugin pas
 A streamed response makes one ``http send`` span per chunk without it."""
 FASTAPI_EXCLUDE_SPANS_CHOICES = ("send", "receive")
 
+CLIENT_VALUE_LENGTH_LIMIT = "OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT"
+"""Most characters recorded of a value a client chooses (a request id, a trace header), at
+least 16 (default 256); longer ones are cut (``bounds.py``)."""
+ATTRIBUTE_VALUE_LENGTH_LIMIT = "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"
+"""The SDK's own bound on attribute values: where it is lower, client values are cut to it."""
+EXPORT_MAX_BYTES = "OTEL_KVCACHE_EXPORT_MAX_BYTES"
+"""Most bytes in one span export request (default 3 MiB, under a collector's default 4 MiB)."""
+
 WARNED_SETTINGS = "OTEL_KVCACHE_WARNED_SETTINGS"
 """JSON list of ``VARIABLE=value`` already warned about in this vLLM instance."""
 
@@ -104,6 +112,18 @@ def fastapi_exclude_spans() -> list[str]:
     return excluded
 
 
+def client_value_length_limit() -> int:
+    limit = env_int(CLIENT_VALUE_LENGTH_LIMIT, 256, minimum=16)
+    sdk_limit = os.environ.get(ATTRIBUTE_VALUE_LENGTH_LIMIT, "").strip()
+    if sdk_limit.isdigit():  # the SDK reads it too, and says what it makes of a bad value
+        limit = min(limit, max(int(sdk_limit), 1))
+    return limit
+
+
+def export_max_bytes() -> int:
+    return env_int(EXPORT_MAX_BYTES, 3 << 20, minimum=1 << 16)
+
+
 def check_all() -> None:
     """Reads every setting, warning (once per vLLM instance) about each bad one."""
     for read in (
@@ -116,6 +136,8 @@ def check_all() -> None:
         device_metrics,
         vllm_plugin,
         fastapi_exclude_spans,
+        client_value_length_limit,
+        export_max_bytes,
     ):
         read()
 

@@ -117,7 +117,10 @@ class ConnectorTelemetry:
             role = request_connector_role(request.kv_transfer_params) or self.engine_role
             tally = self.requests[request.request_id] = ConnectorTally(request, role)
             if role == names.ROLE_CONSUMER and request.kv_transfer_params:
-                tally.producer_traceparent = request.kv_transfer_params.get(names.PRODUCER_SPAN_PARAMETER)
+                traceparent = request.kv_transfer_params.get(names.PRODUCER_SPAN_PARAMETER)
+                # A client may send anything there (bounds.py): nothing longer is a traceparent.
+                if isinstance(traceparent, str) and len(traceparent) <= self.engine.value_limit:
+                    tally.producer_traceparent = traceparent
         tally.hit_tokens += num_external_tokens
         self.hit_tokens += num_external_tokens
         self._admitted.append(tally)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import config, names
+from otel_kvcache.bounds import cut, trace_headers_within, value_length_limit
 from otel_kvcache.tally import (
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
@@ -44,6 +45,7 @@ from otel_kvcache.tally import (
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
     RELEASED_NS,
+    REQUEST_ID_LENGTH,
     RELEASED_POOL_FREE,
     START_NS,
     STALLS,
@@ -132,6 +134,8 @@ class EngineTelemetry:
         self._waiting_for_blocks = statuses_waiting_for_blocks()
         self._lookup_enabled = prefix_cache_lookup_test(manager)
         self.trace_headers_of = trace_headers_reader()
+        self.value_limit = value_length_limit()
+        """The bound on what a client chooses, request ids and trace headers (``bounds.py``)."""
         self._arrival_of = arrival_time_reader()
         self._new_requests_of = new_requests_reader()
         self._resumed_ids_of = resumed_request_ids_reader()
@@ -154,6 +158,10 @@ class EngineTelemetry:
         free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
         event = (name, time.time_ns(), blocks, detail, free, self.pool.limit - free)
         self.extra_events.setdefault(request_id, []).append(event)  # rare: preemptions, findings
+
+    def reported_id(self, request_id: str) -> str:
+        """A request id as our records carry it: a client may choose it (``bounds.py``)."""
+        return request_id if len(request_id) <= self.value_limit else cut(request_id, self.value_limit)
 
     # --- request lifecycle ----------------------------------------------------
 
@@ -284,7 +292,10 @@ class EngineTelemetry:
         tally[PREEMPTIONS] += 1
         tally[RECOMPUTED_TOKENS] += computed
         close_admission_period(tally, released)
-        self.event(request.request_id, names.EVENT_PREEMPTED, released, (computed, preempted_for))
+        cut_length = len(preempted_for) if preempted_for and len(preempted_for) > self.value_limit else None
+        if cut_length:
+            preempted_for = cut(preempted_for, self.value_limit)
+        self.event(request.request_id, names.EVENT_PREEMPTED, released, (computed, preempted_for, cut_length))
         # The what-if curve last: a failure there costs it, not the span's event.
         self.reuse.on_freed(reversed(request.block_hashes[: computed // self.block_size]))
 
@@ -312,13 +323,17 @@ class EngineTelemetry:
             self.pending_hits.pop(request_id, None)
         connector = self.connectors.on_released(request_id) if self.connectors is not None else None
         if is_instrumentation_enabled():
+            reported_id = request_id
+            if len(request_id) > self.value_limit:  # a client's, as vLLM adopted it (bounds.py)
+                tally[REQUEST_ID_LENGTH] = len(request_id)
+                reported_id = cut(request_id, self.value_limit)
             # Strings, bytes, and objects that exist already (vLLM's headers, our
             # attributes): what the exporter holds until its next flush adds no object
             # the garbage collector tracks (exporter_process.py).
             self.exporter.request_ended(
                 RequestEnded(
-                    request_id,
-                    self.trace_headers_of(request),
+                    reported_id,
+                    trace_headers_within(self.trace_headers_of(request), self.value_limit),
                     self._finish_reasons[request.status],
                     tally.tobytes(),
                     events,
@@ -330,7 +345,7 @@ class EngineTelemetry:
             # An idle engine takes no steps (an abort can free blocks then): look now.
             self.pool.settle()
             self.reconciler.run()
-            self.exporter.flush()
+            self.exporter.went_idle()
         # The what-if curve last: a failure there costs it, not the span nor the idle pass.
         if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
             self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))

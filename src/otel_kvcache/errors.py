@@ -1,10 +1,11 @@
-"""Errors inside otel-kvcache are counted and logged once per kind; vLLM never sees them."""
+"""Errors inside otel-kvcache are counted and logged once per kind; vLLM never sees them.
+Telemetry we lose is counted too, in one counter each process makes here."""
 
 from __future__ import annotations
 
 import logging
 
-from opentelemetry.metrics import Counter
+from opentelemetry.metrics import Counter, Meter
 
 from otel_kvcache import names
 
@@ -34,3 +35,13 @@ class InstrumentationErrors:
                 )
         except Exception:  # pragma: no cover - a broken logger or SDK must not reach vLLM either
             pass
+
+
+def telemetry_dropped_counter(meter: Meter) -> Counter:
+    """``otel_kvcache.telemetry.dropped``, by ``otel_kvcache.stage``: the same instrument
+    wherever a process makes it (the engine's instruments, the helper, the span exports)."""
+    return meter.create_counter(
+        names.TELEMETRY_DROPPED,
+        unit="{record}",
+        description="Request records, findings and spans lost on their way to the backend, by stage.",
+    )

@@ -48,7 +48,7 @@ RECENTLY_ENDED = 4096
 EVENT_DETAIL = {
     names.EVENT_ADMITTED: names.EVENT_PREFIX_HIT_TOKENS,
     names.EVENT_RESUMED: names.EVENT_PREFIX_HIT_TOKENS,
-    names.EVENT_PREEMPTED: (names.RECOMPUTED_TOKENS, names.PREEMPTED_FOR),
+    names.EVENT_PREEMPTED: (names.RECOMPUTED_TOKENS, names.PREEMPTED_FOR, names.PREEMPTED_FOR_ORIGINAL_LENGTH),
     names.EVENT_RELEASED: names.FINISH_REASON,
     names.EVENT_LEAK: names.REQUEST_ID,
     names.EVENT_ZOMBIE: (names.REQUEST_ID, names.ZOMBIE_REASON),
@@ -98,6 +98,8 @@ class FinishedRequest(NamedTuple):
     pool_used_blocks)``, the detail exported under ``EVENT_DETAIL[name]``."""
     still_held: int
     """Blocks vLLM still attributes to the request after releasing it: a leak."""
+    request_id_length: int
+    """The length of the request id a client chose, when it was cut to ``request_id``; else 0."""
     engine_attributes: dict[str, Any]
     connector: ConnectorSummary | None
     """What went through the engine's KV connector, on an engine that has one."""
@@ -290,6 +292,7 @@ class RequestExporter:
                 names.PREFIX_EVICTED_TOKENS: finished.evicted_tokens,
                 names.PREFIX_COLD_TOKENS: finished.cold_tokens,
                 names.FINISH_REASON: finished.finish_reason,
+                **({names.REQUEST_ID_ORIGINAL_LENGTH: finished.request_id_length} if finished.request_id_length else {}),
                 **(connector_attributes(connector) if connector is not None else {}),
             },
         )
@@ -347,6 +350,9 @@ class RequestExporter:
         """Nothing is ever pending here."""
 
     def flush(self) -> None:
+        """Nothing is ever pending here."""
+
+    def went_idle(self) -> None:
         """Nothing is ever pending here."""
 
 

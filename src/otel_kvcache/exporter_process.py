@@ -25,8 +25,15 @@ without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
 - ``export``: spans the helper's exporter refused or failed to send, as the
   helper acknowledged them.
 
+An engine that goes idle takes no steps, so a thread of ours looks after the
+pipe in its stead (``went_idle``): every ``IDLE_SECONDS`` while records are
+unwritten or unacknowledged, it reads the helper's acknowledgements (counting
+the spans it failed to export) and writes what the pipe could not take. It
+sleeps on an event otherwise, and never runs while the engine steps.
+
 A helper that dies (its pipes close) is noticed at the next flush, at most
-``FLUSH_SECONDS`` later while the engine steps, and replaced; after
+``FLUSH_SECONDS`` later while the engine steps (``IDLE_SECONDS`` while it is
+idle), and replaced; after
 ``MAX_DEATHS`` deaths within ``DEATHS_WINDOW_SECONDS`` the engine stops
 starting helpers, says so once, and counts what it would have sent.
 
@@ -50,6 +57,7 @@ import select
 import struct
 import subprocess
 import sys
+import threading
 import time
 from itertools import repeat
 from typing import Any, Iterator
@@ -68,6 +76,8 @@ FLUSH_SECONDS = 1.0
 # A second of a busy engine's records is a few hundred kB; the default pipe holds 64 kB.
 PIPE_BYTES = 1 << 20
 RETRY_SECONDS = 0.05
+IDLE_SECONDS = 0.5
+"""While the engine is idle with records outstanding: how often the pipe is looked after."""
 MAX_BUFFERED_BYTES = 8 << 20
 MAX_DEATHS = 3
 DEATHS_WINDOW_SECONDS = 60.0
@@ -136,7 +146,12 @@ class ExporterProcess:
         self.due = time.monotonic() + FLUSH_SECONDS
         self.dropped = 0
         """Records lost so far, all stages together."""
+        self._lock = threading.Lock()
+        """Held by whoever looks after the pipe: the engine thread, or the idle thread."""
+        self._idle = threading.Event()
+        self._closed = False
         self._start_helper()
+        threading.Thread(target=self._look_after_the_pipe_while_idle, name="otel-kvcache-idle", daemon=True).start()
         atexit.register(self.close)
 
     # --- the helper ---------------------------------------------------------------
@@ -248,12 +263,54 @@ class ExporterProcess:
         """Sends what is pending every ``FLUSH_SECONDS``, and what the pipe could not
         take every ``RETRY_SECONDS`` (the engine calls when ``due``)."""
         if now >= self.due:
+            self._idle.clear()  # stepping: the engine looks after the pipe itself
             self.flush()
             self.due = now + (RETRY_SECONDS if self._outgoing else FLUSH_SECONDS)
 
+    def went_idle(self) -> None:
+        """The engine has no request left: hands over what is pending, and has the idle
+        thread read the acknowledgements and write the rest until nothing is outstanding."""
+        self.flush()
+        if self._outgoing or self.in_flight:
+            self._idle.set()
+
+    def _look_after_the_pipe_while_idle(self) -> None:
+        while True:
+            self._idle.wait()
+            time.sleep(IDLE_SECONDS)
+            with self._lock:
+                if self._closed:
+                    return
+                if not self._idle.is_set():  # the engine steps again
+                    continue
+                self._tend()
+                if not (self._outgoing or self.in_flight) or self._gave_up:
+                    self._idle.clear()
+
     def flush(self) -> None:
+        with self._lock:
+            if self._closed:  # records handed over after the exit's hand-over: never sent
+                self._drop(len(self._pending) // _FIELDS + len(self._findings), names.STAGE_PIPE)
+                self._pending.clear()
+                self._findings.clear()
+                return
+            self._tend()
+            self._hand_over_pending()
+
+    def _tend(self) -> None:
+        """Reads the helper's acknowledgements (replacing it if it died) and writes what
+        the pipe takes of what is unwritten."""
         if not self._gave_up and not self._read_acknowledgements():
             self._helper_died()
+        self._write_outgoing()
+
+    def _write_outgoing(self) -> None:
+        if self._outgoing and self._write_what_fits() < 0:
+            self._helper_died()
+            if not self._gave_up:
+                self._write_what_fits()  # to the new helper
+
+    def _hand_over_pending(self) -> None:
         pending, findings = self._pending, self._findings
         if pending or findings:
             if self._gave_up:
@@ -267,10 +324,7 @@ class ExporterProcess:
                 self._frames.append(_Frame(_FRAME_HEADER.size + len(frame), count))
             pending.clear()
             findings.clear()
-        if self._outgoing and self._write_what_fits() < 0:
-            self._helper_died()
-            if not self._gave_up:
-                self._write_what_fits()  # to the new helper
+        self._write_outgoing()
 
     def _marshalled(self, ended_fields: list, findings: list[tuple]) -> tuple[bytes, int]:
         """A frame: the finished requests' fields as one flat list, then the findings,
@@ -327,25 +381,35 @@ class ExporterProcess:
 
     def close(self, wait: float = 0.0) -> bool:
         """At exit: hand the helper everything pending within ``CLOSE_SECONDS``, then close
-        its stdin (it exports and exits on its own); ``wait`` seconds more for it to exit.
-        Whether it exited (False if not waited for)."""
-        stdin = self._launcher.stdin
-        if stdin is None or stdin.closed or self._gave_up:
-            return False
-        self.flush()
-        deadline = time.monotonic() + CLOSE_SECONDS
-        while self._outgoing and time.monotonic() < deadline:
-            select.select([], [self._fd], [], max(0.0, deadline - time.monotonic()))
-            if self._write_what_fits() < 0:
-                break
-        if self._outgoing:
-            self._drop(sum(frame.records for frame in self._frames), names.STAGE_PIPE)
-        try:
-            stdin.close()
-        except OSError:
-            pass
-        self._launcher.wait()
-        return bool(wait) and self.wait_for_helper(wait)
+        its stdin (it exports and exits on its own); ``wait`` seconds more for it to exit,
+        reading its acknowledgements. Not waiting, the engine reads no more of them: the
+        helper counts what it fails to export from then on. Whether it exited (False if
+        not waited for)."""
+        with self._lock:
+            self._closed = True
+            self._idle.set()  # the idle thread ends
+            stdin = self._launcher.stdin
+            if stdin is None or stdin.closed or self._gave_up:
+                return False
+            self._tend()
+            self._hand_over_pending()
+            deadline = time.monotonic() + CLOSE_SECONDS
+            while self._outgoing and time.monotonic() < deadline:
+                select.select([], [self._fd], [], max(0.0, deadline - time.monotonic()))
+                if self._write_what_fits() < 0:
+                    break
+            if self._outgoing:
+                self._drop(sum(frame.records for frame in self._frames), names.STAGE_PIPE)
+            try:
+                stdin.close()
+            except OSError:
+                pass
+            self._launcher.wait()
+        if wait:
+            return self.wait_for_helper(wait)
+        self._read_acknowledgements()
+        self._launcher.stdout.close()  # the helper's next acknowledgement finds the pipe broken
+        return False
 
     def wait_for_helper(self, timeout: float) -> bool:
         """Whether the helper exited (its stdout closed) within ``timeout`` seconds."""

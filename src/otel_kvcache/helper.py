@@ -12,11 +12,14 @@ the collector does.
 It builds spans with its own tracer provider (the configured provider's
 resource and sampler) and exports them itself, all the frames the engine has
 written by then at a time, with the
-exporters ``OTEL_TRACES_EXPORTER`` names, rather than through a batch span
-processor whose queue drops without telling anyone. So it knows what reached
-the exporter and what did not, and tells the engine on its stdout after each
-batch: ``pid records-done spans-failed``, cumulative. The engine counts what
-a dead helper took with it from that (``otel_kvcache.telemetry.dropped``).
+exporters ``OTEL_TRACES_EXPORTER`` names, in requests bounded in bytes
+(``bounded_export.py``), rather than through a batch span processor whose
+queue drops without telling anyone. So it knows what reached the exporter and
+what did not, and tells the engine on its stdout after each batch: ``pid
+records-done spans-failed``, cumulative. The engine counts the failed spans,
+and what a dead helper took with it, from that (``otel_kvcache.telemetry.dropped``).
+Once the engine can no longer read it (it exited), the helper counts the spans
+it fails to export itself.
 
 The histograms and the finding logs go through the SDK configured from the
 environment, as ``opentelemetry-instrument`` configures it.
@@ -33,9 +36,11 @@ import time
 from collections.abc import Iterator
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from otel_kvcache import names
+from otel_kvcache.bounded_export import ByteBoundedSpanExporter, retry_as_otlp_specifies
+from otel_kvcache.errors import telemetry_dropped_counter
 from otel_kvcache.export import Finding, RequestExporter, RequestHistograms
 from otel_kvcache.exporter_process import read_batches
 from otel_kvcache.names import METER_SCOPE
@@ -68,7 +73,7 @@ class SpanPipeline:
         self._collected = _Collected()
         provider.add_span_processor(self._collected)
         self.tracer = provider.get_tracer(METER_SCOPE, __version__)
-        self._exporters = exporters
+        self._exporters = [ByteBoundedSpanExporter(exporter) for exporter in exporters]
         self.failed = 0
 
     @classmethod
@@ -93,11 +98,9 @@ class SpanPipeline:
             batch = spans[start : start + EXPORT_BATCH]
             for exporter in self._exporters:
                 try:
-                    result = exporter.export(batch)
+                    self.failed += exporter.send(batch)
                 except Exception:  # noqa: BLE001 - counted as lost, as the SDK's processor would drop them
                     _logger.exception("otel-kvcache: the span exporter raised")
-                    result = SpanExportResult.FAILURE
-                if result is not SpanExportResult.SUCCESS:
                     self.failed += len(batch)
 
     def shutdown(self) -> None:
@@ -107,19 +110,36 @@ class SpanPipeline:
 
 class _Acknowledgements:
     """Writes ``pid done failed`` lines to the engine, never blocking: each is cumulative,
-    so one the pipe cannot take now is carried by the next."""
+    so one the pipe cannot take now is carried by the next. Once the engine can read
+    none (it exited: the pipe is broken), the failed spans are counted here instead."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         os.set_blocking(fd, False)
+        self._told_failed = 0
+        """Failed spans as of the last line the engine was given."""
+        self._engine_listens = True
 
     def send(self, done: int, failed: int) -> None:
-        try:
-            os.write(self._fd, b"%d %d %d\n" % (os.getpid(), done, failed))
-        except BlockingIOError:
-            pass
-        except OSError:  # the engine is gone: nobody to tell
-            pass
+        if self._engine_listens:
+            try:
+                os.write(self._fd, b"%d %d %d\n" % (os.getpid(), done, failed))
+                self._told_failed = failed
+                return
+            except BlockingIOError:
+                return
+            except OSError:  # the engine is gone: nobody to tell
+                self._engine_listens = False
+        if failed > self._told_failed:
+            _count_dropped(failed - self._told_failed, names.STAGE_EXPORT)
+            self._told_failed = failed
+
+
+def _count_dropped(count: int, stage: str) -> None:
+    """In this process's own meter (exported with the engine's resource, as the histograms are)."""
+    from opentelemetry import metrics
+
+    telemetry_dropped_counter(metrics.get_meter(METER_SCOPE, __version__)).add(count, {names.STAGE: stage})
 
 
 class _Progress:
@@ -160,9 +180,7 @@ def _exit_by_deadline_once_gone(engine_pid: int, stdin_closed: threading.Event, 
     try:
         from opentelemetry import metrics
 
-        meter = metrics.get_meter(METER_SCOPE, __version__)
-        dropped = meter.create_counter(names.TELEMETRY_DROPPED, unit="{record}")
-        dropped.add(lost, {names.STAGE: names.STAGE_HELPER_QUEUE})
+        _count_dropped(lost, names.STAGE_HELPER_QUEUE)
         provider = metrics.get_meter_provider()
         if hasattr(provider, "force_flush"):
             provider.force_flush(timeout_millis=1000)
@@ -204,6 +222,7 @@ def _export_batches(
 
 def main(argv: list[str]) -> int:
     engine_pid = int(argv[1])
+    retry_as_otlp_specifies()
     # The acknowledgements keep the pipe; what anything else prints (a console exporter) is discarded.
     acks = _Acknowledgements(os.dup(sys.stdout.fileno()))
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel_kvcache import names
+from otel_kvcache.errors import telemetry_dropped_counter
 
 if TYPE_CHECKING:
     from otel_kvcache.connectors import ConnectorTelemetry
@@ -69,11 +70,7 @@ class KVCacheInstruments:
             unit="{error}",
             description="Errors inside otel-kvcache; vLLM kept running.",
         )
-        self.telemetry_dropped = meter.create_counter(
-            names.TELEMETRY_DROPPED,
-            unit="{record}",
-            description="Request records and findings lost between the engine and the backend, by stage.",
-        )
+        self.telemetry_dropped = telemetry_dropped_counter(meter)
         # The pool's state, as each engine's tracker counts it now.
         for name, unit, description, callback in (
             (names.BLOCKS, "{block}", "KV-cache blocks by state: used, cached (evictable prefix), free.",

@@ -135,7 +135,8 @@ class Reconciler:
                 zombies += 1
                 zombie_blocks += held
                 message = f"still holds {held} KV blocks {now - since:.0f} s after it finished ({reason})"
-                self._tell(names.EVENT_ZOMBIE, request_id, held, (request_id, reason), message)
+                detail = (self.engine.reported_id(request_id), reason)
+                self._tell(names.EVENT_ZOMBIE, request_id, held, detail, message)
         for request_id in [rid for rid in self._holding_since if rid not in holding]:
             del self._holding_since[request_id]
             self._reported.discard((names.EVENT_ZOMBIE, request_id))
@@ -195,9 +196,12 @@ class Reconciler:
             return
         self._reported.add((event, request_id))
         engine = self.engine
+        reported_id = engine.reported_id(request_id)
         if request_id in engine.requests:  # on the span to come
             engine.event(request_id, event, blocks, detail)
-            log_in_trace(None, "otel-kvcache: request %s %s", request_id, message)
+            log_in_trace(None, "otel-kvcache: request %s %s", reported_id, message)
         else:  # in the ended span's trace, wherever the span was built
-            attributes = {names.REQUEST_ID: request_id, **event_attributes(event, blocks, detail)}
-            engine.exporter.finding(Finding(request_id, event, attributes, message))
+            attributes = {names.REQUEST_ID: reported_id, **event_attributes(event, blocks, detail)}
+            if reported_id is not request_id:
+                attributes[names.REQUEST_ID_ORIGINAL_LENGTH] = len(request_id)
+            engine.exporter.finding(Finding(reported_id, event, attributes, message))

@@ -58,7 +58,11 @@ FINDING_SPAN: Final = "vllm.kv_cache.finding"
 # --- Attributes -------------------------------------------------------------
 
 REQUEST_ID: Final = "vllm.request.id"
-"""The engine's request id."""
+"""The engine's request id, cut to ``OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT`` characters (a
+client may choose it: vLLM adopts a ``request_id`` in the body or an ``X-Request-Id``)."""
+ORIGINAL_LENGTH_SUFFIX: Final = ".original_length"
+"""An attribute whose client-chosen value was cut has its original length in ``<name>.original_length``."""
+REQUEST_ID_ORIGINAL_LENGTH: Final = REQUEST_ID + ORIGINAL_LENGTH_SUFFIX
 INPUT_TOKENS: Final = GEN_AI_USAGE_INPUT_TOKENS
 """Prompt tokens of the request."""
 OUTPUT_TOKENS: Final = GEN_AI_USAGE_OUTPUT_TOKENS
@@ -95,6 +99,7 @@ PREEMPTED_FOR: Final = "vllm.kv_cache.preempted_for.request_id"
 """Event attribute of ``kv_cache.preempted``: the request whose allocation forced the
 preemption (absent when vLLM preempted the very request it was scheduling). The
 victim's span links to that request's span when it has ended first."""
+PREEMPTED_FOR_ORIGINAL_LENGTH: Final = PREEMPTED_FOR + ORIGINAL_LENGTH_SUFFIX
 
 CONNECTOR_NAME: Final = "vllm.kv_cache.connector.name"
 """The engine's KV connector class (``MultiConnector`` for several)."""
@@ -293,4 +298,5 @@ STAGE_HELPER_QUEUE: Final = "helper_queue"
 STAGE_HELPER_DIED: Final = "helper_died"
 """Handed to a helper that died before exporting them, or while none could be started."""
 STAGE_EXPORT: Final = "export"
-"""Refused by the exporter, or not delivered (the collector down past the exporter's retries)."""
+"""Refused by the exporter, or not delivered (the collector down past the exporter's retries),
+or alone larger than ``OTEL_KVCACHE_EXPORT_MAX_BYTES``."""

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from otel_kvcache.bounds import trace_headers_within, value_length_limit
 from otel_kvcache.errors import InstrumentationErrors
 
 # Only the W3C trace context travels; baggage (user data) stays in the API server.
@@ -90,7 +91,9 @@ def trace_context_carrier() -> dict[str, str]:
 
 
 def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
-    """``InputProcessor.assign_request_id``: put the context on the request bound for the engine."""
+    """``InputProcessor.assign_request_id``: put the context on the request bound for the engine,
+    within the bounds on what a client chooses (``bounds.py``)."""
+    limit = value_length_limit()
 
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
@@ -98,7 +101,7 @@ def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
             carrier = trace_context_carrier()
             if carrier:
                 request = first_argument(args, kwargs, "request")
-                request.trace_headers = {**(request.trace_headers or {}), **carrier}
+                request.trace_headers = trace_headers_within({**(request.trace_headers or {}), **carrier}, limit)
         except Exception as exc:  # noqa: BLE001
             errors.count(hook, exc)
         return result

@@ -37,6 +37,7 @@ FIELDS = (
     "evicted_tokens",  # prefix-lookup misses by reason (``whatif.py``)
     "cold_tokens",
     "still_held",
+    "request_id_length",  # a client's request id that was cut: its length (``bounds.py``), else 0
     # The first admission and the release, as events: when, blocks, prefix-hit
     # tokens (admission), and the pool's free blocks then (its used ones are the
     # rest of its limit).
@@ -69,6 +70,7 @@ FIELDS = (
     EVICTED_TOKENS,
     COLD_TOKENS,
     STILL_HELD,
+    REQUEST_ID_LENGTH,
     ADMITTED_NS,
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
@@ -82,7 +84,7 @@ FIELDS = (
     PROGRESS_STEP,
 ) = range(len(FIELDS))
 
-REPORTED = FIELDS[: STILL_HELD + 1]
+REPORTED = FIELDS[: REQUEST_ID_LENGTH + 1]
 """The counts the span reports, named as ``export.FinishedRequest``'s fields."""
 TYPECODE = "q"
 

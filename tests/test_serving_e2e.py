@@ -240,6 +240,80 @@ def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, s
     assert not [m for _, m in sink.metrics() if m.name.startswith(("hw.gpu", "vllm.gpu", "vllm.torch"))]
 
 
+def largest_header_accepted(server, start: int = 1 << 20, smallest: int = 1 << 12) -> int:
+    """The largest header value (a power of two) vLLM's HTTP server answers, by asking ``/health``."""
+    size = start
+    while size >= smallest:
+        try:
+            if httpx.get(server.url + "/health", headers={"X-Probe": "p" * size}, timeout=30).status_code == 200:
+                return size
+        except httpx.HTTPError:
+            pass
+        size //= 2
+    raise AssertionError(f"vLLM's HTTP server answers no header of {smallest} characters")
+
+
+def test_hostile_clients_cost_nobody_their_span_and_the_server_keeps_serving(server, sink):
+    """Hostile requests between ordinary ones, each answered 200 by vLLM: a 6 MB
+    ``request_id`` in the body, an ``X-Request-Id`` as large as the HTTP server takes, a
+    malformed ``traceparent`` with a ``tracestate`` as large, a 1 MB ``session_id``. Every
+    one has its KV span at the receiver (gRPC's default 4 MiB limit), its values bounded."""
+    header_size = largest_header_accepted(server)
+    model = str(server.config.model)
+
+    def complete(tag: str, body: dict | None = None, headers: dict | None = None) -> dict:
+        response = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": model, "prompt": f"{tag}: who holds the blocks?", "max_tokens": 4, "ignore_eos": True,
+                  "request_id": tag, **(body or {})},
+            headers=headers or {"traceparent": traceparent()[1]},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text[:200]
+        return response.json()
+
+    answers = {"ordinary-1": complete("ordinary-1")}
+    answers["body-id"] = complete("body-id", body={"request_id": "b" * 6_000_000})
+    answers["header-id"] = complete("header-id", headers={"X-Request-Id": "x" * header_size})
+    answers["bad-context"] = complete(
+        "bad-context", headers={"traceparent": "00-not-a-trace-parent-01", "tracestate": "k=" + "v" * header_size}
+    )
+    answers["session"] = complete("session", body={"session_id": "s" * 1_000_000})
+    answers["ordinary-2"] = complete("ordinary-2")
+
+    limit = 256  # OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT's default
+    for answer in answers.values():
+        assert answer["usage"]["completion_tokens"] == 4
+
+    def spans_by_answer():
+        spans = [span for _, span in sink.spans() if span.name == names.KV_REQUEST_SPAN]
+        found = {}
+        for tag, answer in answers.items():
+            # vLLM's engine id is the response's id and a suffix of its own; ours is its first characters.
+            prefix = answer["id"] if len(answer["id"]) < limit else answer["id"][: limit - 1]
+            matching = [s for s in spans if span_attributes(s)[names.REQUEST_ID].startswith(prefix)]
+            if matching:
+                found[tag] = matching[0]
+        return found if len(found) == len(answers) else None
+
+    spans = wait_for(spans_by_answer, timeout=60)
+    for tag, span in spans.items():
+        attributes = span_attributes(span)
+        assert len(attributes[names.REQUEST_ID]) <= limit
+        assert attributes[names.OUTPUT_TOKENS] == answers[tag]["usage"]["completion_tokens"]
+        assert len(span.trace_state) <= 512
+        assert all(len(value) <= limit for value in attributes.values() if isinstance(value, str))
+    for tag in ("body-id", "header-id"):
+        attributes = span_attributes(spans[tag])
+        assert attributes[names.REQUEST_ID].endswith("…") and len(attributes[names.REQUEST_ID]) == limit
+        assert attributes[names.REQUEST_ID_ORIGINAL_LENGTH] > len(answers[tag]["id"])
+    assert len(answers["body-id"]["id"]) > 6_000_000
+    assert len(answers["header-id"]["id"]) > header_size
+    for tag in ("ordinary-1", "bad-context", "session", "ordinary-2"):
+        assert names.REQUEST_ID_ORIGINAL_LENGTH not in span_attributes(spans[tag])
+    assert max(request.ByteSize() for request in sink.requests["traces"]) < 4 << 20
+
+
 def test_without_fastapi_the_kv_span_is_the_remote_callers_child_and_vllms_own_span_shares_the_trace(
     tiny_model, sink, tmp_path_factory
 ):

@@ -55,7 +55,12 @@ def cut(value: str, limit: int) -> str:
 def trace_headers_within(headers: Mapping[str, str] | None, limit: int) -> Mapping[str, str] | None:
     """``headers`` as they are when every value is a string within bounds (the common case:
     no copy), else a dict of those that are, ``tracestate`` truncated by whole list members."""
-    if not headers or all(type(value) is str and len(value) <= limit for value in headers.values()):
+    if not headers:
+        return headers
+    for value in headers.values():  # a loop, not all(...): no generator on the engine thread
+        if type(value) is not str or len(value) > limit:
+            break
+    else:
         return headers
     kept = {}
     for name, value in headers.items():

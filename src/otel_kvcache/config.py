@@ -16,6 +16,8 @@ import math
 import os
 from collections.abc import Callable
 
+from opentelemetry.sdk import environment_variables as sdk_variables
+
 _logger = logging.getLogger(__name__)
 
 RECONCILE_SECONDS = "OTEL_KVCACHE_RECONCILE_SECONDS"
@@ -58,8 +60,6 @@ FASTAPI_EXCLUDE_SPANS_CHOICES = ("send", "receive")
 CLIENT_VALUE_LENGTH_LIMIT = "OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT"
 """Most characters recorded of a value a client chooses (a request id, a trace header), at
 least 16 (default 256); longer ones are cut (``bounds.py``)."""
-ATTRIBUTE_VALUE_LENGTH_LIMIT = "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"
-"""The SDK's own bound on attribute values: where it is lower, client values are cut to it."""
 EXPORT_MAX_BYTES = "OTEL_KVCACHE_EXPORT_MAX_BYTES"
 """Most bytes in one span export request (default 3 MiB, under a collector's default 4 MiB)."""
 
@@ -114,8 +114,9 @@ def fastapi_exclude_spans() -> list[str]:
 
 def client_value_length_limit() -> int:
     limit = env_int(CLIENT_VALUE_LENGTH_LIMIT, 256, minimum=16)
-    sdk_limit = os.environ.get(ATTRIBUTE_VALUE_LENGTH_LIMIT, "").strip()
-    if sdk_limit.isdigit():  # the SDK reads it too, and says what it makes of a bad value
+    # The SDK's bound on every attribute: where lower, it wins (the SDK warns about a bad value).
+    sdk_limit = os.environ.get(sdk_variables.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT, "").strip()
+    if sdk_limit.isdigit():
         limit = min(limit, max(int(sdk_limit), 1))
     return limit
 

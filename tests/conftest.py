@@ -72,6 +72,21 @@ def model_config(tmp_path_factory):
     return make_model_config(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+def export_through_a_helper(monkeypatch, endpoint: str, **variables: str) -> None:
+    """Spans built in the helper process, its SDK configured from the environment as under
+    opentelemetry-instrument: OTLP/gRPC to ``endpoint`` (``variables`` override)."""
+    for variable, value in {
+        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_LOGS_EXPORTER": "none",
+        **variables,
+    }.items():
+        monkeypatch.setenv(variable, value)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The tiny random-weight llama the end-to-end tests serve (made here, never downloaded)."""

@@ -11,7 +11,7 @@ import os
 import time
 
 import pytest
-from conftest import Telemetry
+from conftest import Telemetry, export_through_a_helper
 from demo.otlp_sink import OTLPSink, attributes_of
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names
@@ -25,15 +25,7 @@ MiB = 1 << 20
 def receiver(request, monkeypatch):
     """A receiver, and an environment that has the helper export to it."""
     sink = OTLPSink(**getattr(request, "param", {})).start()
-    for variable, value in {
-        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_METRICS_EXPORTER": "otlp",
-        "OTEL_LOGS_EXPORTER": "none",
-    }.items():
-        monkeypatch.setenv(variable, value)
+    export_through_a_helper(monkeypatch, sink.endpoint)
     yield sink
     sink.stop()
 

@@ -7,7 +7,7 @@ import time
 from types import MappingProxyType
 
 import pytest
-from conftest import Telemetry
+from conftest import Telemetry, export_through_a_helper
 from demo.otlp_sink import OTLPSink, attributes_of
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names
@@ -45,16 +45,7 @@ class HeaderValue(str):
 def helper_exports_to(monkeypatch):
     """The helper's SDK comes from the environment, as under opentelemetry-instrument."""
     sink = OTLPSink().start()
-    for variable, value in {
-        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_METRICS_EXPORTER": "otlp",
-        "OTEL_LOGS_EXPORTER": "none",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-    }.items():
-        monkeypatch.setenv(variable, value)
+    export_through_a_helper(monkeypatch, sink.endpoint, OTEL_BSP_SCHEDULE_DELAY="100")
     yield sink
     sink.stop()
 
@@ -348,15 +339,7 @@ def test_an_exporter_that_refuses_everything_counts_every_span(model_config, mon
     from harness.scheduler import make_scheduler
 
     refusing = OTLPSink(refuse=True).start()
-    for variable, value in {
-        "OTEL_KVCACHE_EXPORTER_PROCESS": "on",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": refusing.endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_METRICS_EXPORTER": "none",
-        "OTEL_LOGS_EXPORTER": "none",
-    }.items():
-        monkeypatch.setenv(variable, value)
+    export_through_a_helper(monkeypatch, refusing.endpoint, OTEL_METRICS_EXPORTER="none")
     telemetry = Telemetry()
     instrumentor = VLLMKVCacheInstrumentor()
     instrumentor.instrument(meter_provider=telemetry.meter_provider)

@@ -16,8 +16,8 @@ value, or a batch of long spans, cost everyone in it their span.
   what it was sent, and only the spans refused even alone are lost. A receiver
   that takes nothing (down, or refusing us) loses the batch whole, as before,
   and is not asked again.
-- What it loses is counted in ``otel_kvcache.telemetry.dropped`` (stage
-  ``export``), or handed to ``on_dropped``.
+- What ``export`` loses is counted in ``otel_kvcache.telemetry.dropped`` (stage
+  ``export``); ``send`` returns it instead, for the helper to acknowledge.
 
 The helper's span pipeline uses it (``helper.py``), and so does every process
 the configurator sets up, through the batch span processor (``distro.py``), for
@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from otel_kvcache import config, names
+from otel_kvcache.errors import count_dropped
 
 _logger = logging.getLogger(__name__)
 
@@ -63,23 +64,20 @@ class ByteBoundedSpanExporter(SpanExporter):
     """Exports through ``exporter`` in requests of at most ``max_bytes``, losing only the
     spans that cannot be sent alone."""
 
-    def __init__(
-        self,
-        exporter: SpanExporter,
-        max_bytes: int | None = None,
-        on_dropped: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, exporter: SpanExporter, max_bytes: int | None = None) -> None:
         self.exporter = exporter
         self.max_bytes = config.export_max_bytes() if max_bytes is None else max_bytes
-        self._on_dropped = on_dropped
-        self._counter = None
         self._warned: set[str] = set()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lost = self.send(list(spans))
-        if lost:
-            self._dropped(lost)
-        return SpanExportResult.FAILURE if lost else SpanExportResult.SUCCESS
+        if not lost:
+            return SpanExportResult.SUCCESS
+        try:
+            count_dropped(lost, names.STAGE_EXPORT)
+        except Exception:  # noqa: BLE001 - the SDK's export thread must not fail because of us
+            _logger.debug("otel-kvcache: could not count dropped spans", exc_info=True)
+        return SpanExportResult.FAILURE
 
     def send(self, spans: list[ReadableSpan]) -> int:
         """Exports ``spans``; how many were lost (not counted here: ``export`` counts)."""
@@ -122,22 +120,6 @@ class ByteBoundedSpanExporter(SpanExporter):
         if kind not in self._warned:
             self._warned.add(kind)
             _logger.warning("otel-kvcache: %s and counted in %s (logged once)", what, names.TELEMETRY_DROPPED)
-
-    def _dropped(self, count: int) -> None:
-        if self._on_dropped is not None:
-            self._on_dropped(count)
-            return
-        try:
-            if self._counter is None:
-                from opentelemetry import metrics
-
-                from otel_kvcache.errors import telemetry_dropped_counter
-                from otel_kvcache.version import __version__
-
-                self._counter = telemetry_dropped_counter(metrics.get_meter(names.METER_SCOPE, __version__))
-            self._counter.add(count, {names.STAGE: names.STAGE_EXPORT})
-        except Exception:  # noqa: BLE001 - the SDK's export thread must not fail because of us
-            _logger.debug("otel-kvcache: could not count dropped spans", exc_info=True)
 
     def shutdown(self) -> None:
         self.exporter.shutdown()

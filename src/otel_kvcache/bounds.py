@@ -32,17 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from otel_kvcache import config
-
 CUT_MARKER = "…"
 """The end of a value that was cut."""
 TRACESTATE_CHARACTERS = 512
 """The ``tracestate`` W3C Trace Context asks every vendor to propagate at least."""
-
-
-def value_length_limit() -> int:
-    """The bound on a client's value, read once per process (``config.py``)."""
-    return config.client_value_length_limit()
 
 
 def cut(value: str, limit: int) -> str:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import config, names
-from otel_kvcache.bounds import cut, trace_headers_within, value_length_limit
+from otel_kvcache.bounds import cut, trace_headers_within
 from otel_kvcache.tally import (
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
@@ -134,7 +134,7 @@ class EngineTelemetry:
         self._waiting_for_blocks = statuses_waiting_for_blocks()
         self._lookup_enabled = prefix_cache_lookup_test(manager)
         self.trace_headers_of = trace_headers_reader()
-        self.value_limit = value_length_limit()
+        self.value_limit = config.client_value_length_limit()
         """The bound on what a client chooses, request ids and trace headers (``bounds.py``)."""
         self._arrival_of = arrival_time_reader()
         self._new_requests_of = new_requests_reader()
@@ -161,7 +161,7 @@ class EngineTelemetry:
 
     def reported_id(self, request_id: str) -> str:
         """A request id as our records carry it: a client may choose it (``bounds.py``)."""
-        return request_id if len(request_id) <= self.value_limit else cut(request_id, self.value_limit)
+        return cut(request_id, self.value_limit)
 
     # --- request lifecycle ----------------------------------------------------
 
@@ -292,10 +292,10 @@ class EngineTelemetry:
         tally[PREEMPTIONS] += 1
         tally[RECOMPUTED_TOKENS] += computed
         close_admission_period(tally, released)
-        cut_length = len(preempted_for) if preempted_for and len(preempted_for) > self.value_limit else None
-        if cut_length:
-            preempted_for = cut(preempted_for, self.value_limit)
-        self.event(request.request_id, names.EVENT_PREEMPTED, released, (computed, preempted_for, cut_length))
+        detail = (computed, preempted_for, None)
+        if preempted_for is not None and (reported := self.reported_id(preempted_for)) is not preempted_for:
+            detail = (computed, reported, len(preempted_for))
+        self.event(request.request_id, names.EVENT_PREEMPTED, released, detail)
         # The what-if curve last: a failure there costs it, not the span's event.
         self.reuse.on_freed(reversed(request.block_hashes[: computed // self.block_size]))
 
@@ -323,10 +323,9 @@ class EngineTelemetry:
             self.pending_hits.pop(request_id, None)
         connector = self.connectors.on_released(request_id) if self.connectors is not None else None
         if is_instrumentation_enabled():
-            reported_id = request_id
-            if len(request_id) > self.value_limit:  # a client's, as vLLM adopted it (bounds.py)
+            reported_id = self.reported_id(request_id)
+            if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
                 tally[REQUEST_ID_LENGTH] = len(request_id)
-                reported_id = cut(request_id, self.value_limit)
             # Strings, bytes, and objects that exist already (vLLM's headers, our
             # attributes): what the exporter holds until its next flush adds no object
             # the garbage collector tracks (exporter_process.py).

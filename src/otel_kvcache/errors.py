@@ -45,3 +45,13 @@ def telemetry_dropped_counter(meter: Meter) -> Counter:
         unit="{record}",
         description="Request records, findings and spans lost on their way to the backend, by stage.",
     )
+
+
+def count_dropped(count: int, stage: str) -> None:
+    """Counts lost telemetry in this process's global meter: where no engine instruments are
+    at hand (the helper, the span exports of any process)."""
+    from opentelemetry import metrics
+
+    from otel_kvcache.version import __version__
+
+    telemetry_dropped_counter(metrics.get_meter(names.METER_SCOPE, __version__)).add(count, {names.STAGE: stage})

@@ -283,7 +283,8 @@ class ExporterProcess:
                     return
                 if not self._idle.is_set():  # the engine steps again
                     continue
-                self._tend()
+                self._take_acknowledgements()
+                self._write_outgoing()
                 if not (self._outgoing or self.in_flight) or self._gave_up:
                     self._idle.clear()
 
@@ -294,15 +295,13 @@ class ExporterProcess:
                 self._pending.clear()
                 self._findings.clear()
                 return
-            self._tend()
+            self._take_acknowledgements()
             self._hand_over_pending()
 
-    def _tend(self) -> None:
-        """Reads the helper's acknowledgements (replacing it if it died) and writes what
-        the pipe takes of what is unwritten."""
+    def _take_acknowledgements(self) -> None:
+        """Reads what the helper said, replacing it if it died."""
         if not self._gave_up and not self._read_acknowledgements():
             self._helper_died()
-        self._write_outgoing()
 
     def _write_outgoing(self) -> None:
         if self._outgoing and self._write_what_fits() < 0:
@@ -391,7 +390,7 @@ class ExporterProcess:
             stdin = self._launcher.stdin
             if stdin is None or stdin.closed or self._gave_up:
                 return False
-            self._tend()
+            self._take_acknowledgements()
             self._hand_over_pending()
             deadline = time.monotonic() + CLOSE_SECONDS
             while self._outgoing and time.monotonic() < deadline:

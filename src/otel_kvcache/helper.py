@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from otel_kvcache import names
 from otel_kvcache.bounded_export import ByteBoundedSpanExporter, retry_as_otlp_specifies
-from otel_kvcache.errors import telemetry_dropped_counter
+from otel_kvcache.errors import count_dropped
 from otel_kvcache.export import Finding, RequestExporter, RequestHistograms
 from otel_kvcache.exporter_process import read_batches
 from otel_kvcache.names import METER_SCOPE
@@ -131,15 +131,8 @@ class _Acknowledgements:
             except OSError:  # the engine is gone: nobody to tell
                 self._engine_listens = False
         if failed > self._told_failed:
-            _count_dropped(failed - self._told_failed, names.STAGE_EXPORT)
+            count_dropped(failed - self._told_failed, names.STAGE_EXPORT)
             self._told_failed = failed
-
-
-def _count_dropped(count: int, stage: str) -> None:
-    """In this process's own meter (exported with the engine's resource, as the histograms are)."""
-    from opentelemetry import metrics
-
-    telemetry_dropped_counter(metrics.get_meter(METER_SCOPE, __version__)).add(count, {names.STAGE: stage})
 
 
 class _Progress:
@@ -180,7 +173,7 @@ def _exit_by_deadline_once_gone(engine_pid: int, stdin_closed: threading.Event, 
     try:
         from opentelemetry import metrics
 
-        _count_dropped(lost, names.STAGE_HELPER_QUEUE)
+        count_dropped(lost, names.STAGE_HELPER_QUEUE)
         provider = metrics.get_meter_provider()
         if hasattr(provider, "force_flush"):
             provider.force_flush(timeout_millis=1000)

@@ -29,7 +29,8 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from otel_kvcache.bounds import trace_headers_within, value_length_limit
+from otel_kvcache import config
+from otel_kvcache.bounds import trace_headers_within
 from otel_kvcache.errors import InstrumentationErrors
 
 # Only the W3C trace context travels; baggage (user data) stays in the API server.
@@ -93,7 +94,7 @@ def trace_context_carrier() -> dict[str, str]:
 def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
     """``InputProcessor.assign_request_id``: put the context on the request bound for the engine,
     within the bounds on what a client chooses (``bounds.py``)."""
-    limit = value_length_limit()
+    limit = config.client_value_length_limit()
 
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)

@@ -21,11 +21,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from demo.load import LoadShape, run_load
+from demo.load import TENANT_KEY, LoadShape, run_load
 from demo.otlp_sink import OTLPSink
 from demo.report import (
     format_curve,
+    format_holders,
     format_summary,
+    holders_summary,
     format_table,
     kv_spans,
     pool_summary,
@@ -41,8 +43,15 @@ from demo.server import (
     requests_ended_on_their_own,
 )
 from demo.tiny_model import make_tiny_model
-from otel_kvcache import gate
+from otel_kvcache import config, gate, names
 from otel_kvcache.report.build import write as write_report
+
+SERVED_MODEL_NAME = "tiny-llama"
+ATTRIBUTION_SETTINGS = {
+    config.BAGGAGE_KEYS: TENANT_KEY,
+    config.ATTRIBUTION: f"{names.MODEL},{TENANT_KEY}",
+}
+"""Who holds the KV cache, by model and by the tenant each request's baggage names."""
 
 SHORT_LOAD = LoadShape(chats=4, turns=3, chat_max_tokens=96, burst=4, burst_max_tokens=16, streams=2)
 
@@ -110,17 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     sink = None if collector else OTLPSink(args.out / "otlp").start()
     endpoint = collector or sink.endpoint
     server = VLLMServer(
-        ServerConfig(model=model, otlp_endpoint=None if collector else sink.endpoint, num_blocks=args.num_blocks),
+        ServerConfig(
+            model=model, otlp_endpoint=None if collector else sink.endpoint, num_blocks=args.num_blocks,
+            served_model_name=SERVED_MODEL_NAME, extra_env=ATTRIBUTION_SETTINGS,
+        ),
         args.out / "vllm-server.log",
-    )
+    )  # fmt: skip
     shape = SHORT_LOAD if args.short else LoadShape()
     try:
         with progress.step(f"starting vLLM (CPU) under opentelemetry-instrument, {args.num_blocks - 1}-block KV pool"):
             server.start()
         progress.note(f"server {server.url}, telemetry to {endpoint}")
         progress.note(f"{EXCLUDE_ASGI_SPANS}={server.environment()[EXCLUDE_ASGI_SPANS]}")
+        for variable, value in ATTRIBUTION_SETTINGS.items():
+            progress.note(f"{variable}={value}")
         with progress.step("running the load through the OpenAI API"):
-            sent = asyncio.run(run_load(server.url, str(model), shape, progress=progress.note))
+            sent = asyncio.run(run_load(server.url, server.config.model_name, shape, progress=progress.note))
         # vLLM's own view, to read the table against: which requests its engine ended.
         time.sleep(1)  # the API server's stats trail the last responses
         metrics_text = server.metrics_text()
@@ -146,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(request_rows(spans, scenario_by_trace)))
     print()
     print(format_summary(pool_summary(otlp / "metrics.jsonl")))
+    print()
+    print(format_holders(holders_summary(otlp / "metrics.jsonl", spans)))
     print()
     curve, free_scale = projected_curve(otlp / "metrics.jsonl")
     print(format_curve(curve, free_scale, vllm_hit_ratio))

@@ -5,7 +5,9 @@
 - streaming clients that disconnect mid-answer (aborts).
 
 Every request carries its own W3C ``traceparent``, so the client knows the
-trace id under which each request's spans arrive.
+trace id under which each request's spans arrive, and W3C baggage naming its
+tenant (two teams share the server); each chat sends its session id
+(``X-Session-ID``), as an agent or chat front end does.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ SYSTEM_PROMPT = (
     "prefix, what preemption costs, and how to read the telemetry of the block pool. "
 ) * 3
 
+TENANTS = ("team-search", "team-support")
+"""The two teams sharing the server, told apart by the ``tenant.id`` baggage entry."""
+TENANT_KEY = "tenant.id"
+
 QUESTIONS = [
     "Why does the memory line stay flat?",
     "What happens when the pool runs dry?",
@@ -36,6 +42,8 @@ QUESTIONS = [
 class SentRequest:
     scenario: str
     trace_id: str
+    tenant: str | None = None
+    session_id: str | None = None
     status: int = 0
     usage: dict = field(default_factory=dict)
     disconnected: bool = False
@@ -55,22 +63,26 @@ class LoadClient:
     async def close(self) -> None:
         await self.http.aclose()
 
-    def _new(self, scenario: str) -> tuple[SentRequest, dict[str, str]]:
+    def _new(self, scenario: str, tenant: str, session_id: str | None = None) -> tuple[SentRequest, dict[str, str]]:
         trace_id, header = traceparent()
-        sent = SentRequest(scenario, trace_id)
+        sent = SentRequest(scenario, trace_id, tenant, session_id)
         self.sent.append(sent)
-        return sent, {"traceparent": header}
+        headers = {"traceparent": header, "baggage": f"{TENANT_KEY}={tenant}"}
+        if session_id is not None:
+            headers["X-Session-ID"] = session_id
+        return sent, headers
 
-    async def complete(self, scenario: str, prompt: str, max_tokens: int) -> SentRequest:
-        sent, headers = self._new(scenario)
+    async def complete(self, scenario: str, prompt: str, max_tokens: int, tenant: str = TENANTS[0]) -> SentRequest:
+        sent, headers = self._new(scenario, tenant)
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
         response = await self.http.post("/v1/completions", json=body, headers=headers)
         sent.status = response.status_code
         sent.usage = response.json().get("usage", {})
         return sent
 
-    async def chat(self, scenario: str, messages: list[dict], max_tokens: int) -> tuple[SentRequest, str]:
-        sent, headers = self._new(scenario)
+    async def chat(self, scenario: str, messages: list[dict], max_tokens: int, tenant: str = TENANTS[0],
+                   session_id: str | None = None) -> tuple[SentRequest, str]:  # fmt: skip
+        sent, headers = self._new(scenario, tenant, session_id)
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
         response = await self.http.post("/v1/chat/completions", json=body, headers=headers)
         sent.status = response.status_code
@@ -80,8 +92,9 @@ class LoadClient:
             raise RuntimeError(f"vLLM answered {response.status_code}: {payload}")
         return sent, payload["choices"][0]["message"]["content"]
 
-    async def stream_then_disconnect(self, scenario: str, prompt: str, chunks_before_leaving: int) -> SentRequest:
-        sent, headers = self._new(scenario)
+    async def stream_then_disconnect(self, scenario: str, prompt: str, chunks_before_leaving: int,
+                                     tenant: str = TENANTS[1]) -> SentRequest:  # fmt: skip
+        sent, headers = self._new(scenario, tenant)
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True}
         async with self.http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             sent.status = response.status_code
@@ -98,14 +111,16 @@ class LoadClient:
 async def growing_chat(
     client: LoadClient, chat_index: int, turns: int, max_tokens: int, together: asyncio.Barrier | None = None
 ) -> None:
-    """One conversation: every turn resends the whole history, so the context grows.
-    With ``together``, the conversations send each turn at the same moment (busy hours)."""
+    """One conversation of one session: every turn resends the whole history, so the
+    context grows. With ``together``, the conversations send each turn at the same
+    moment (busy hours). The chats alternate between the two tenants."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    tenant, session_id = TENANTS[chat_index % len(TENANTS)], f"chat-{chat_index}"
     for turn in range(turns):
         if together is not None:
             await together.wait()
         messages.append({"role": "user", "content": QUESTIONS[(chat_index + turn) % len(QUESTIONS)]})
-        _, answer = await client.chat("multi-turn chat", messages, max_tokens)
+        _, answer = await client.chat("multi-turn chat", messages, max_tokens, tenant, session_id)
         messages.append({"role": "assistant", "content": answer})
 
 

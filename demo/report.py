@@ -11,6 +11,10 @@ from pathlib import Path
 
 from otel_kvcache import names
 from otel_kvcache.otlp_json import kv_spans, latest_per_engine, metric_points
+from otel_kvcache.report.metric_digest import holder
+
+TENANT = "tenant.id"
+"""The baggage entry the main job's clients name their tenant by (``demo/load.py``)."""
 
 __all__ = [
     "kv_spans",
@@ -20,6 +24,8 @@ __all__ = [
     "format_summary",
     "projected_curve",
     "format_curve",
+    "holders_summary",
+    "format_holders",
 ]
 
 
@@ -53,20 +59,27 @@ def pool_summary(metrics_path: Path) -> PoolSummary:
     )
 
 
-TABLE_COLUMNS = ("request id", "scenario", "prompt", "prefix hit", "peak blocks", "preempted", "finish")
+TABLE_COLUMNS = ("request id", "scenario", "model", "tenant", "session", "gap s", "prompt", "prefix hit",
+                 "peak blocks", "block-s", "preempted", "finish")  # fmt: skip
 
 
 def request_rows(spans: list[dict], scenario_by_trace: dict[str, str] | None = None) -> list[tuple]:
     rows = []
-    for span in spans:
+    for span in sorted(spans, key=lambda span: span["start"]):
         a = span["attributes"]
+        gap = a.get(names.SESSION_TURN_GAP)
         rows.append(
             (
                 a[names.REQUEST_ID],
                 (scenario_by_trace or {}).get(span["trace_id"], "-"),
+                a.get(names.MODEL, "-"),
+                a.get(TENANT, "-"),
+                a.get(names.SESSION_ID, "-"),
+                "-" if gap is None else f"{gap:.1f}",
                 a[names.INPUT_TOKENS],
                 a[names.CACHE_READ_INPUT_TOKENS],
                 a[names.BLOCKS_PEAK],
+                f"{a.get(names.OCCUPANCY, 0):.1f}",
                 a[names.PREEMPTIONS],
                 a[names.FINISH_REASON],
             )
@@ -93,6 +106,63 @@ def format_summary(summary: PoolSummary) -> str:
             f"  allocation stalls     {summary.allocation_stalls}",
         ]
     )
+
+
+@dataclass
+class Holder:
+    label: str
+    block_seconds: float
+    peak_held: float
+
+
+@dataclass
+class HoldersSummary:
+    holders: list[Holder]
+    returning: int
+    """Requests of a session seen before on their engine."""
+    kept: int
+    """Of those, the ones none of whose prompt had been evicted from the prefix cache."""
+    gaps: list[float]
+
+
+def holders_summary(metrics_path: Path, spans: list[dict]) -> HoldersSummary:
+    """Block-seconds and peak blocks held by attribution series; sessions' turn gaps."""
+    latest: dict[tuple, dict] = {}
+    for point in metric_points(metrics_path, names.OCCUPANCY):
+        key = (holder(point["attributes"]), point["attributes"].get(names.ENGINE_INDEX))
+        if key not in latest or point["time"] >= latest[key]["time"]:
+            latest[key] = point
+    seconds: dict[str, float] = {}
+    for (label, _), point in latest.items():
+        seconds[label] = seconds.get(label, 0.0) + point["value"]
+    peaks: dict[str, float] = {}
+    for point in metric_points(metrics_path, names.HELD_BLOCKS):
+        label = holder(point["attributes"])
+        peaks[label] = max(peaks.get(label, 0.0), point["value"])
+    returning = [s["attributes"] for s in spans if names.SESSION_TURN_GAP in s["attributes"]]
+    return HoldersSummary(
+        holders=[Holder(label, seconds.get(label, 0.0), peaks.get(label, 0.0))
+                 for label in sorted(set(seconds) | set(peaks), key=lambda label: -seconds.get(label, 0.0))],
+        returning=len(returning),
+        kept=sum(1 for a in returning if not a.get(names.PREFIX_EVICTED_TOKENS)),
+        gaps=sorted(a[names.SESSION_TURN_GAP] for a in returning),
+    )  # fmt: skip
+
+
+def format_holders(summary: HoldersSummary) -> str:
+    lines = ["who holds the KV cache (vllm.kv_cache.occupancy, vllm.kv_cache.held_blocks):"]
+    width = max((len(h.label) for h in summary.holders), default=0)
+    lines.append(f"  {'holder'.ljust(width)}  block-seconds  peak blocks held")
+    for h in summary.holders:
+        lines.append(f"  {h.label.ljust(width)}  {h.block_seconds:13.1f}  {h.peak_held:16.1f}")
+    if summary.returning:
+        gaps = summary.gaps
+        lines.append(
+            f"sessions: {summary.returning} requests came back to a session "
+            f"({gaps[0]:.1f}-{gaps[-1]:.1f} s after its previous turn); "
+            f"{summary.kept} found their prefix still cached"
+        )
+    return "\n".join(lines)
 
 
 def projected_curve(metrics_path: Path) -> tuple[dict[float, float], float | None]:

@@ -45,6 +45,12 @@ class ServerConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     instrumented: bool = True
     """False: the same server without opentelemetry-instrument (for comparisons)."""
+    served_model_name: str | None = None
+    """The name clients ask for (``--served-model-name``); None: the model's path."""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or str(self.model)
 
 
 class VLLMServer:
@@ -78,6 +84,7 @@ class VLLMServer:
             "--enable-prefix-caching",
             "--dtype", "float32",
             *(["--kv-transfer-config", json.dumps(c.kv_transfer_config)] if c.kv_transfer_config else []),
+            *(["--served-model-name", c.served_model_name] if c.served_model_name else []),
             *c.extra_args,
         ]  # fmt: skip
 

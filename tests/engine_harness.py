@@ -123,10 +123,12 @@ class EngineHarness:
         max_tokens: int = 8,
         trace_headers: dict[str, str] | None = None,
         kv_transfer_params: dict | None = None,
+        **fields,
     ) -> Request:
         """Prompt = ``shared_prefix`` tokens common to all requests + unique tokens;
         ``kv_transfer_params`` as a disaggregated-serving proxy sends them (copied: NIXL
-        rewrites them)."""
+        rewrites them); ``fields``: more of ``Request``'s (``session_id``, ``priority``,
+        ``lora_request``)."""
         seed = sum(map(ord, request_id)) * 7919
         unique = [(seed + 31 * k) % VOCAB_SIZE for k in range(prompt_len - shared_prefix)]
         tokens = [(k * 13 + 5) % VOCAB_SIZE for k in range(shared_prefix)] + unique
@@ -138,6 +140,7 @@ class EngineHarness:
             pooling_params=None,
             trace_headers=trace_headers,
             block_hasher=self.block_hasher,
+            **fields,
         )
 
     def add(self, request: Request) -> Request:

@@ -46,7 +46,8 @@ def main(port: int, seconds: float) -> None:
     deadline, n = time.monotonic() + seconds, 0
     while time.monotonic() < deadline:
         while len(engine.scheduler.requests) < 6:
-            engine.add(engine.make_request(f"r{n}", prompt_len=40 + (n * 13) % 60, shared_prefix=32, max_tokens=60))
+            engine.add(engine.make_request(f"r{n}", prompt_len=40 + (n * 13) % 60, shared_prefix=32, max_tokens=60,
+                                           session_id=f"session-{n % 5}"))  # fmt: skip
             n += 1
         engine.step()
         while len(transfers.harness.scheduler.requests) < 4:

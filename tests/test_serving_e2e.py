@@ -24,13 +24,16 @@ from otel_kvcache import names
 pytestmark = pytest.mark.serving
 
 BLOCK_SIZE = 32
+TENANT = "tenant.id"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, sink, tmp_path_factory):
     # Room for the growing chats' contexts, whose random answers each release tokenizes its own way.
     config = ServerConfig(model=tiny_model, otlp_endpoint=sink.endpoint, block_size=BLOCK_SIZE, num_blocks=64,
-                          max_model_len=2016)  # all 63 usable blocks
+                          max_model_len=2016,  # all 63 usable blocks
+                          extra_env={"OTEL_KVCACHE_BAGGAGE_KEYS": TENANT,
+                                     "OTEL_KVCACHE_ATTRIBUTION": f"{names.MODEL},{TENANT}"})  # fmt: skip
     server = VLLMServer(config, tmp_path_factory.mktemp("vllm") / "server.log").start()
     yield server
     server.stop()
@@ -109,6 +112,45 @@ def test_kv_span_joins_the_http_requests_trace(server, sink):
     kv_tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1
     assert attrs[names.BLOCKS_PEAK] == math.ceil(kv_tokens / BLOCK_SIZE)
     assert attrs[names.FINISH_REASON] == "length"
+
+
+def test_a_session_and_a_tenant_are_on_the_span_and_in_the_attribution_metrics(server, sink):
+    served = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]  # vLLM's name for it
+    trace_ids = []
+    messages = [{"role": "user", "content": "Which tenant holds these blocks?"}]
+    # The session id as a header, then in the body: vLLM takes either.
+    for session in ({"headers": {"X-Session-ID": "e2e-chat"}}, {"body": {"session_id": "e2e-chat"}}):
+        trace_id, header = traceparent()
+        response = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": served, "messages": messages, "max_tokens": 8, "ignore_eos": True, **session.get("body", {})},
+            headers={"traceparent": header, "baggage": f"{TENANT}=acme,user.email=left%40out", **session.get("headers", {})},
+            timeout=60,
+        )  # fmt: skip
+        response.raise_for_status()
+        messages += [response.json()["choices"][0]["message"], {"role": "user", "content": "And now?"}]
+        trace_ids.append(trace_id)
+    arrived = wait_for(lambda: found if len(found := kv_spans(sink, trace_ids)) == 2 else None)
+    first, second = sorted((span for _, span in arrived), key=lambda span: span.start_time_unix_nano)
+    for span in (first, second):
+        attrs = span_attributes(span)
+        assert attrs[names.SESSION_ID] == "e2e-chat" and attrs[TENANT] == "acme" and "user.email" not in attrs
+        assert attrs[names.MODEL] == served and attrs[names.PRIORITY] == 0
+        assert attrs[names.OCCUPANCY] > 0
+    # The gap: from the first turn's release (its span's end) to the second's arrival (its span's start).
+    gap = span_attributes(second)[names.SESSION_TURN_GAP]
+    assert gap == pytest.approx((second.start_time_unix_nano - first.end_time_unix_nano) / 1e9, abs=1e-6)
+    assert names.SESSION_TURN_GAP not in span_attributes(first)
+
+    def acme_series(name):
+        return [(attributes_of(p.attributes), p) for _, metric in sink.metrics(name)
+                for p in getattr(metric, metric.WhichOneof("data")).data_points
+                if attributes_of(p.attributes).get(TENANT) == "acme"]  # fmt: skip
+
+    spent = sum(span_attributes(span)[names.OCCUPANCY] for span in (first, second))
+    counted = wait_for(lambda: [p.as_double for a, p in acme_series(names.OCCUPANCY) if p.as_double >= spent * 0.999])
+    assert counted and all(a[names.MODEL] == served for a, _ in acme_series(names.OCCUPANCY))
+    assert all(p.as_double >= 0 for _, p in acme_series(names.HELD_BLOCKS))
 
 
 def test_prefix_hits_match_vllms_own_counter(server, sink):

@@ -3,7 +3,7 @@
 A client of vLLM's API server chooses part of what we record: the request id
 (the body's ``request_id`` or an ``X-Request-Id`` header, which vLLM adopts as
 the engine's), and the trace context it sends (``traceparent``,
-``tracestate``). Neither vLLM nor its HTTP server bounds them: a completion
+``tracestate``, ``baggage``), and a session id. Neither vLLM nor its HTTP server bounds them: a completion
 whose body carries a 6 MB ``request_id`` is answered 200. Recorded as it is,
 such a value makes its span larger than a collector takes (4 MiB by default),
 and the spans exported with it are lost too.
@@ -22,8 +22,8 @@ the SDK's ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, where lower), its end replaced
 by ``CUT_MARKER``; an attribute cut so keeps its original length beside it, in
 ``<name>.original_length``. A trace header is not cut (a cut one means nothing
 to a propagator): ``tracestate`` keeps its first list members up to
-``TRACESTATE_CHARACTERS`` (W3C's truncation), any other header longer than the
-bound is left out.
+``TRACESTATE_CHARACTERS`` (W3C's truncation), as does ``baggage``, any other
+header longer than the bound is left out.
 
 Exports are bounded in bytes besides (``bounded_export.py``).
 """
@@ -36,6 +36,9 @@ CUT_MARKER = "…"
 """The end of a value that was cut."""
 TRACESTATE_CHARACTERS = 512
 """The ``tracestate`` W3C Trace Context asks every vendor to propagate at least."""
+LIST_HEADERS = ("tracestate", "baggage")
+"""Headers of comma-separated members (W3C ``tracestate`` and ``baggage``): truncated by
+whole members, to at least ``TRACESTATE_CHARACTERS``."""
 
 
 def cut(value: str, limit: int) -> str:
@@ -59,7 +62,7 @@ def trace_headers_within(headers: Mapping[str, str] | None, limit: int) -> Mappi
     for name, value in headers.items():
         if not isinstance(value, str):
             continue
-        if name == "tracestate":
+        if name in LIST_HEADERS:
             value = _whole_members(value, max(limit, TRACESTATE_CHARACTERS))
         elif len(value) > limit:
             continue

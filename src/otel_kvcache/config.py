@@ -14,9 +14,12 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 
 from opentelemetry.sdk import environment_variables as sdk_variables
+
+from otel_kvcache import names
 
 _logger = logging.getLogger(__name__)
 
@@ -62,6 +65,18 @@ CLIENT_VALUE_LENGTH_LIMIT = "OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT"
 least 16 (default 256); longer ones are cut (``bounds.py``)."""
 EXPORT_MAX_BYTES = "OTEL_KVCACHE_EXPORT_MAX_BYTES"
 """Most bytes in one span export request (default 3 MiB, under a collector's default 4 MiB)."""
+
+BAGGAGE_KEYS = "OTEL_KVCACHE_BAGGAGE_KEYS"
+"""Comma-separated W3C baggage keys (``tenant.id``, say) copied onto each request's span
+under their own names, and carried to the engine with the trace headers (default none)."""
+ATTRIBUTION = "OTEL_KVCACHE_ATTRIBUTION"
+"""Comma-separated attributes the attribution metrics are broken down by: drawn from
+``gen_ai.request.model``, ``vllm.request.priority`` and the baggage keys (default
+``gen_ai.request.model``)."""
+ATTRIBUTION_LIMIT = "OTEL_KVCACHE_ATTRIBUTION_LIMIT"
+"""Most series per attribution metric (default 32); the rest fold into one overflow series."""
+SESSION_TABLE_SIZE = "OTEL_KVCACHE_SESSION_TABLE_SIZE"
+"""Sessions each engine remembers for their turn gaps, least recently seen first out (default 65536)."""
 
 WARNED_SETTINGS = "OTEL_KVCACHE_WARNED_SETTINGS"
 """JSON list of ``VARIABLE=value`` already warned about in this vLLM instance."""
@@ -125,6 +140,43 @@ def export_max_bytes() -> int:
     return env_int(EXPORT_MAX_BYTES, 3 << 20, minimum=1 << 16)
 
 
+_BAGGAGE_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""A W3C baggage key: an HTTP token."""
+
+
+def baggage_keys() -> list[str]:
+    raw = os.environ.get(BAGGAGE_KEYS, "")
+    named = list(dict.fromkeys(key.strip() for key in raw.split(",") if key.strip()))
+    keys = [key for key in named if _BAGGAGE_KEY.fullmatch(key)]
+    if len(keys) < len(named):
+        _warn_once(BAGGAGE_KEYS, raw, f"names keys that are not W3C baggage keys; using {','.join(keys) or 'none'}")
+    return keys
+
+
+def attribution() -> list[str]:
+    """The attribution attributes, in the order named. A session id is never one: a
+    metric series per session would be a series per conversation."""
+    default = [names.MODEL]
+    raw = os.environ.get(ATTRIBUTION, "")
+    named = list(dict.fromkeys(name.strip() for name in raw.split(",") if name.strip()))
+    if not named:
+        return default
+    allowed = [*names.ATTRIBUTION_CHOICES, *baggage_keys()]
+    chosen = [name for name in named if name in allowed]
+    if len(chosen) < len(named):
+        used = ",".join(chosen or default)
+        _warn_once(ATTRIBUTION, raw, f"names attributes other than {', '.join(allowed)}; using {used}")
+    return chosen or default
+
+
+def attribution_limit() -> int:
+    return env_int(ATTRIBUTION_LIMIT, 32)
+
+
+def session_table_size() -> int:
+    return env_int(SESSION_TABLE_SIZE, 65536)
+
+
 def check_all() -> None:
     """Reads every setting, warning (once per vLLM instance) about each bad one."""
     for read in (
@@ -139,6 +191,10 @@ def check_all() -> None:
         fastapi_exclude_spans,
         client_value_length_limit,
         export_max_bytes,
+        baggage_keys,
+        attribution,
+        attribution_limit,
+        session_table_size,
     ):
         read()
 

@@ -42,6 +42,9 @@ from otel_kvcache.tally import (
     OUTPUT_TOKENS,
     PEAK,
     PERIOD_HIT_TOKENS,
+    PERIOD_START_BLOCKS,
+    PERIOD_START_NS,
+    OCCUPANCY_BLOCK_NS,
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
     RELEASED_NS,
@@ -52,10 +55,13 @@ from otel_kvcache.tally import (
     STILL_HELD,
     COLD_TOKENS,
     EVICTED_TOKENS,
+    TURN_GAP_NS,
     blank_tally,
     close_admission_period,
     count_period_hits,
+    hold,
 )
+from otel_kvcache.attribution import Attribution
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export import RequestEnded, RequestExporter
 from otel_kvcache.leaks import Reconciler
@@ -76,6 +82,7 @@ from otel_kvcache.vllm_compat import (
     request_being_scheduled,
     resumed_request_ids_reader,
     scheduler_block_size,
+    session_id_reader,
     statuses_waiting_for_blocks,
     trace_headers_reader,
 )
@@ -136,6 +143,9 @@ class EngineTelemetry:
         self.trace_headers_of = trace_headers_reader()
         self.value_limit = config.client_value_length_limit()
         """The bound on what a client chooses, request ids and trace headers (``bounds.py``)."""
+        self.attribution = Attribution(scheduler, self.attributes, self.value_limit)
+        """Who holds the blocks: series by model, priority, tenant; sessions' turn gaps."""
+        self._session_of = session_id_reader()
         self._arrival_of = arrival_time_reader()
         self._new_requests_of = new_requests_reader()
         self._resumed_ids_of = resumed_request_ids_reader()
@@ -249,14 +259,15 @@ class EngineTelemetry:
         if tally[ADMITTED_NS] or tally[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
             if self.preempted_blocks:
                 self.preempted_demand -= self.preempted_blocks.pop(request_id, 0)
+            hold(tally, time.time_ns(), held, held)
             count_period_hits(tally)
             if held > tally[PEAK]:
                 tally[PEAK] = held
             event = names.EVENT_RESUMED if tally[PREEMPTIONS] else names.EVENT_ADMITTED
             self.event(request_id, event, held, hit_tokens)
         else:  # the first admission's blocks count towards the peak in the exporter
-            tally[ADMITTED_NS] = time.time_ns()
-            tally[ADMITTED_BLOCKS] = held
+            tally[ADMITTED_NS] = tally[PERIOD_START_NS] = time.time_ns()
+            tally[ADMITTED_BLOCKS] = tally[PERIOD_START_BLOCKS] = held
             tally[ADMITTED_HIT_TOKENS] = hit_tokens
             tally[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
         tally[PERIOD_HIT_TOKENS] = hit_tokens
@@ -292,6 +303,7 @@ class EngineTelemetry:
         tally[PREEMPTIONS] += 1
         tally[RECOMPUTED_TOKENS] += computed
         close_admission_period(tally, released)
+        hold(tally, time.time_ns(), released, 0)
         detail = (computed, preempted_for, None)
         if preempted_for is not None and (reported := self.reported_id(preempted_for)) is not preempted_for:
             detail = (computed, reported, len(preempted_for))
@@ -311,7 +323,9 @@ class EngineTelemetry:
             tally = self._new_tally(request)
         # The exporter closes the last admission period (tally.close_admission_period).
         tally[FREED] = freed
-        tally[RELEASED_NS] = time.time_ns()
+        tally[RELEASED_NS] = released_ns = time.time_ns()
+        if tally[PERIOD_START_NS]:
+            hold(tally, released_ns, freed, 0)
         tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
         tally[STILL_HELD] = self.held_blocks(request_id)
@@ -322,6 +336,11 @@ class EngineTelemetry:
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
         connector = self.connectors.on_released(request_id) if self.connectors is not None else None
+        attribution = self.attribution
+        attribution.request_ended(request, tally[OCCUPANCY_BLOCK_NS])
+        session_id = self._session_of(request)
+        if session_id is not None:
+            tally[TURN_GAP_NS] = attribution.sessions.turn_gap_ns(session_id, tally[START_NS], released_ns)
         if is_instrumentation_enabled():
             reported_id = self.reported_id(request_id)
             if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
@@ -338,6 +357,12 @@ class EngineTelemetry:
                     events,
                     self._attribute_items,
                     connector,
+                    (
+                        attribution.model_of(request),
+                        attribution.priority_of(request),
+                        None if session_id is None else cut(session_id, self.value_limit),
+                        0 if session_id is None or len(session_id) <= self.value_limit else len(session_id),
+                    ),
                 )
             )
         if not self.scheduler_requests:

@@ -35,10 +35,10 @@ from opentelemetry.propagate import extract
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Tracer
 
-from otel_kvcache import names
+from otel_kvcache import config, names
 from otel_kvcache import tally
 from otel_kvcache.connectors import ConnectorSummary
-from otel_kvcache.propagation import remote_span_context
+from otel_kvcache.propagation import baggage_entries, remote_span_context
 
 _findings_logger = logging.getLogger("otel_kvcache.findings")
 
@@ -100,9 +100,25 @@ class FinishedRequest(NamedTuple):
     """Blocks vLLM still attributes to the request after releasing it: a leak."""
     request_id_length: int
     """The length of the request id a client chose, when it was cut to ``request_id``; else 0."""
+    occupancy_block_ns: int
+    """The blocks the request held, integrated over its life (``tally.hold``)."""
+    turn_gap_ns: int
+    """From its session's previous release on this engine to its arrival; -1: none."""
     engine_attributes: dict[str, Any]
     connector: ConnectorSummary | None
     """What went through the engine's KV connector, on an engine that has one."""
+    attribution: Attributed
+
+
+class Attributed(NamedTuple):
+    """Whose request it was: vLLM's ``Request`` fields, the session id bounded."""
+
+    model: str | None = None
+    """The served model's name, or the LoRA adapter's."""
+    priority: int = 0
+    session_id: str | None = None
+    session_id_length: int = 0
+    """The length of the session id a client chose, when it was cut; else 0."""
 
 
 class RequestEnded(NamedTuple):
@@ -121,11 +137,13 @@ class RequestEnded(NamedTuple):
     """As ``(name, value)`` pairs (a mapping also does)."""
     connector: tuple | None = None
     """A ``ConnectorSummary``'s fields, on an engine with a KV connector."""
+    attribution: tuple = ()
+    """An ``Attributed``'s fields."""
 
 
 def finished_request(ended: RequestEnded) -> FinishedRequest:
     """A ``RequestEnded`` read back into a ``FinishedRequest``."""
-    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_attributes, connector = ended
+    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_attributes, connector, attributed = ended
     counts = array(tally.TYPECODE, tally_bytes)
     # The last admission period, closed here rather than on the engine thread.
     tally.close_admission_period(counts, counts[tally.FREED])
@@ -149,6 +167,7 @@ def finished_request(ended: RequestEnded) -> FinishedRequest:
         events=events,
         engine_attributes=dict(engine_attributes),
         connector=ConnectorSummary._make(connector) if connector else None,
+        attribution=Attributed(*attributed),
         **dict(zip(tally.REPORTED, counts)),
     )
 
@@ -165,6 +184,24 @@ def connector_attributes(connector: ConnectorSummary) -> dict[str, Any]:
         attributes[names.CONNECTOR_ROLE] = connector.role
     if connector.delayed_free_ns >= 0:
         attributes[names.CONNECTOR_DELAYED_FREE_SECONDS] = connector.delayed_free_ns / 1e9
+    return attributes
+
+
+def attribution_attributes(finished: FinishedRequest) -> dict[str, Any]:
+    """Whose request it was and what it cost: model, priority, session, block-seconds."""
+    attributed = finished.attribution
+    attributes: dict[str, Any] = {
+        names.PRIORITY: attributed.priority,
+        names.OCCUPANCY: finished.occupancy_block_ns / 1e9,
+    }
+    if attributed.model is not None:
+        attributes[names.MODEL] = attributed.model
+    if attributed.session_id is not None:
+        attributes[names.SESSION_ID] = attributed.session_id
+        if attributed.session_id_length:
+            attributes[names.SESSION_ID_ORIGINAL_LENGTH] = attributed.session_id_length
+    if finished.turn_gap_ns >= 0:
+        attributes[names.SESSION_TURN_GAP] = finished.turn_gap_ns / 1e9
     return attributes
 
 
@@ -244,6 +281,13 @@ class RequestHistograms:
             description="Preemptions per finished request.",
             explicit_bucket_boundaries_advisory=[0, 1, 2, 4, 8, 16, 32],
         )
+        self.turn_gap = meter.create_histogram(
+            names.SESSION_TURN_GAP,
+            unit="s",
+            description="Seconds from a session's previous request's release to its next request's arrival, "
+            "by whether the next one found its prefix.",
+            explicit_bucket_boundaries_advisory=[0.1, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200],
+        )
         self.connector_wait = meter.create_histogram(
             names.REQUEST_CONNECTOR_WAIT,
             unit="s",
@@ -260,6 +304,8 @@ class RequestExporter:
         self.histograms = histograms
         self.recently_ended: OrderedDict[str, SpanContext] = OrderedDict()
         self._span_ids = PresetSpanIds.install(tracer)
+        self.baggage_keys = tuple(config.baggage_keys())
+        self.value_limit = config.client_value_length_limit()
 
     def request_ended(self, ended: RequestEnded) -> None:
         finished = finished_request(ended)
@@ -277,6 +323,7 @@ class RequestExporter:
             links=links,
             start_time=finished.start_ns,
             attributes={
+                **baggage_entries(headers, self.baggage_keys, self.value_limit),
                 names.REQUEST_ID: finished.request_id,
                 names.INPUT_TOKENS: finished.input_tokens,
                 names.OUTPUT_TOKENS: finished.output_tokens,
@@ -294,6 +341,7 @@ class RequestExporter:
                 names.FINISH_REASON: finished.finish_reason,
                 **({names.REQUEST_ID_ORIGINAL_LENGTH: finished.request_id_length} if finished.request_id_length else {}),
                 **(connector_attributes(connector) if connector is not None else {}),
+                **attribution_attributes(finished),
             },
         )
         for name, timestamp, blocks, detail, free, used in finished.events:
@@ -312,6 +360,9 @@ class RequestExporter:
             histograms.prefix_hit_ratio.record(ratio, attributes, context=context)
         if connector is not None and connector.wait_ns:
             histograms.connector_wait.record(connector.wait_ns / 1e9, attributes, context=context)
+        if finished.turn_gap_ns >= 0:
+            kept = {**attributes, names.SESSION_PREFIX_KEPT: finished.evicted_tokens == 0}
+            histograms.turn_gap.record(finished.turn_gap_ns / 1e9, kept, context=context)
         span_context = span.get_span_context()
         self.recently_ended[finished.request_id] = span_context
         if len(self.recently_ended) > RECENTLY_ENDED:

@@ -120,11 +120,37 @@ class KVCacheInstruments:
             meter.create_observable_counter(
                 name, callbacks=[self._connector_callback(attrgetter(where))], unit=unit, description=description
             )
+        # Who holds the pool, by the attribution series (attribution.py).
+        meter.create_observable_gauge(
+            names.HELD_BLOCKS,
+            callbacks=[self._observe_held_blocks],
+            unit="{block}",
+            description="Blocks live requests hold now, a block shared by k requests counting 1/k to each.",
+        )
+        meter.create_observable_counter(
+            names.OCCUPANCY,
+            callbacks=[self._observe_occupancy],
+            unit="{block}.s",
+            description="Block-seconds held by requests, live ones included up to each collection.",
+        )
         for name, unit, description, field in _FINDING_GAUGES:
             read = attrgetter(f"reconciler.report.{field}")
             meter.create_observable_gauge(
                 name, callbacks=[self._engine_callback(read)], unit=unit, description=description
             )
+
+    def _observe_held_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            for attributes, blocks in engine.attribution.held_blocks(engine.type_managers, engine.scheduler_requests):
+                yield Observation(blocks, attributes)
+
+    def _observe_occupancy(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine in list(self.engines):
+            attribution = engine.attribution
+            for attributes, seconds in attribution.occupancy_seconds(
+                engine.requests, engine.held_blocks, engine.scheduler_requests
+            ):
+                yield Observation(seconds, attributes)
 
     def _observe_eviction_age_max(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):

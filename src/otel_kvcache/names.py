@@ -14,10 +14,12 @@ from opentelemetry.semconv._incubating.metrics.hw_metrics import (
     HW_GPU_UTILIZATION,
 )
 from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
+    GEN_AI_REQUEST_MODEL,
     GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
     GEN_AI_USAGE_INPUT_TOKENS,
     GEN_AI_USAGE_OUTPUT_TOKENS,
 )
+from opentelemetry.semconv._incubating.attributes.session_attributes import SESSION_ID as _SESSION_ID
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 
 METER_SCOPE: Final = "otel_kvcache"
@@ -100,6 +102,36 @@ PREEMPTED_FOR: Final = "vllm.kv_cache.preempted_for.request_id"
 preemption (absent when vLLM preempted the very request it was scheduling). The
 victim's span links to that request's span when it has ended first."""
 PREEMPTED_FOR_ORIGINAL_LENGTH: Final = PREEMPTED_FOR + ORIGINAL_LENGTH_SUFFIX
+
+# Who holds the KV cache (``attribution.py``).
+SESSION_ID: Final = _SESSION_ID
+"""vLLM's ``Request.session_id`` (the body's ``session_id``, ``X-Session-ID`` or ``vllm_xargs``),
+cut as client values are. Never a metric attribute."""
+SESSION_ID_ORIGINAL_LENGTH: Final = SESSION_ID + ORIGINAL_LENGTH_SUFFIX
+MODEL: Final = GEN_AI_REQUEST_MODEL
+"""The served model name, or the LoRA adapter's name for a LoRA request. Also a metric
+attribute of the attribution metrics (``OTEL_KVCACHE_ATTRIBUTION``)."""
+PRIORITY: Final = "vllm.request.priority"
+"""vLLM's request priority (lower runs first under ``--scheduling-policy priority``)."""
+OCCUPANCY: Final = "vllm.kv_cache.occupancy"
+"""Span attribute, block-seconds (double): the blocks the request held, integrated over its
+life. Also a counter, ``{block}.s``, by the attribution attributes, live requests included
+up to each collection."""
+SESSION_TURN_GAP: Final = "vllm.kv_cache.session.turn_gap"
+"""Span attribute, seconds: for a request of a session this engine has seen, from that
+session's previous request's release here to this request's arrival. Also a histogram,
+``s``, by ``SESSION_PREFIX_KEPT``."""
+SESSION_PREFIX_KEPT: Final = "vllm.kv_cache.session.prefix_kept"
+"""Attribute of ``SESSION_TURN_GAP``'s histogram: true when none of the request's prompt
+tokens missed the prefix cache because they had been evicted."""
+HELD_BLOCKS: Final = "vllm.kv_cache.held_blocks"
+"""Observable gauge, ``{block}``: blocks live requests hold now, by the attribution
+attributes; a block k requests share counts 1/k to each, so the series sum to the used blocks."""
+METRIC_OVERFLOW: Final = "otel.metric.overflow"
+"""The attribution series past ``OTEL_KVCACHE_ATTRIBUTION_LIMIT``, folded into one, as the
+OpenTelemetry metrics SDK marks its own cardinality overflow."""
+ATTRIBUTION_CHOICES: Final = (MODEL, PRIORITY)
+"""What ``OTEL_KVCACHE_ATTRIBUTION`` may name besides the keys of ``OTEL_KVCACHE_BAGGAGE_KEYS``."""
 
 CONNECTOR_NAME: Final = "vllm.kv_cache.connector.name"
 """The engine's KV connector class (``MultiConnector`` for several)."""

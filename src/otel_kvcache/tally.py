@@ -38,6 +38,8 @@ FIELDS = (
     "cold_tokens",
     "still_held",
     "request_id_length",  # a client's request id that was cut: its length (``bounds.py``), else 0
+    "occupancy_block_ns",  # blocks held, integrated over time: the admission periods closed so far
+    "turn_gap_ns",  # from the session's previous release here to this arrival; -1: none
     # The first admission and the release, as events: when, blocks, prefix-hit
     # tokens (admission), and the pool's free blocks then (its used ones are the
     # rest of its limit).
@@ -53,6 +55,8 @@ FIELDS = (
     "last_stall_step",
     "progress_tokens",  # computed tokens when the reconciler last looked
     "progress_step",
+    "period_start_ns",  # the running admission period's last change of blocks (0: none running)
+    "period_start_blocks",  # the blocks held then
 )
 (
     START_NS,
@@ -71,6 +75,8 @@ FIELDS = (
     COLD_TOKENS,
     STILL_HELD,
     REQUEST_ID_LENGTH,
+    OCCUPANCY_BLOCK_NS,
+    TURN_GAP_NS,
     ADMITTED_NS,
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
@@ -82,9 +88,11 @@ FIELDS = (
     LAST_STALL_STEP,
     PROGRESS_TOKENS,
     PROGRESS_STEP,
+    PERIOD_START_NS,
+    PERIOD_START_BLOCKS,
 ) = range(len(FIELDS))
 
-REPORTED = FIELDS[: REQUEST_ID_LENGTH + 1]
+REPORTED = FIELDS[: TURN_GAP_NS + 1]
 """The counts the span reports, named as ``export.FinishedRequest``'s fields."""
 TYPECODE = "q"
 
@@ -96,6 +104,7 @@ def blank_tally(block_size: int, pool_limit: int) -> array:
     tally[POOL_LIMIT] = pool_limit
     tally[LAST_STALL_STEP] = -1
     tally[PROGRESS_TOKENS] = -1
+    tally[TURN_GAP_NS] = -1
     return tally
 
 
@@ -111,6 +120,33 @@ def close_admission_period(tally: array, held: int) -> None:
     if held > tally[PEAK]:
         tally[PEAK] = held
     tally[PERIOD_HIT_TOKENS] = 0
+
+
+def hold(tally: array, now_ns: int, held: int, holds: int) -> None:
+    """The request held ``held`` blocks until ``now_ns`` and holds ``holds`` from then on
+    (0 when preempted or released): the stretch since the last change joins its occupancy.
+
+    Within a stretch the blocks are taken to grow evenly (a running request's decode adds
+    a block every ``block_size`` tokens), so a stretch counts the mean of its two ends:
+    exact for a request whose blocks stay the same, and off by at most half a block's
+    worth of the stretch otherwise (``tests/test_attribution.py`` measures it against
+    vLLM's block lists at every step).
+    """
+    start = tally[PERIOD_START_NS]
+    if start:
+        tally[OCCUPANCY_BLOCK_NS] += (tally[PERIOD_START_BLOCKS] + held) * (now_ns - start) // 2
+    tally[PERIOD_START_NS] = now_ns if holds else 0
+    tally[PERIOD_START_BLOCKS] = holds
+
+
+def occupancy_until(tally: array, now_ns: int, blocks_now: int) -> int:
+    """Block-nanoseconds held up to ``now_ns``, holding ``blocks_now`` then (read on the
+    metric reader's thread: changes nothing)."""
+    start = tally[PERIOD_START_NS]
+    closed = tally[OCCUPANCY_BLOCK_NS]
+    if not start or now_ns <= start:
+        return closed
+    return closed + (tally[PERIOD_START_BLOCKS] + blocks_now) * (now_ns - start) // 2
 
 
 def count_period_hits(tally: array) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from otel_kvcache import names
-from otel_kvcache.report import page, pool_charts, request_charts
+from otel_kvcache.report import holder_charts, page, pool_charts, request_charts
 from otel_kvcache.report.chart_style import TimeBase
 from otel_kvcache.report.metric_digest import read_metrics
 from otel_kvcache.report.summary import Summary, summarize
@@ -57,7 +57,9 @@ def build(otlp_dir: Path) -> Report:
     figures = [
         pool_charts.composition(metrics, traces, base),
         pool_charts.device_memory(metrics, base),
+        holder_charts.holders(metrics, base),
         request_charts.timeline(traces, base),
+        holder_charts.session_gaps(traces),
         request_charts.distributions(traces),
         pool_charts.what_if(metrics.projected),
     ]

@@ -88,6 +88,10 @@ class MetricDigest:
     device_limit: dict[str, float] = field(default_factory=dict)
     projected: dict[tuple, tuple] = field(default_factory=dict)
     """(engine, pool scale) -> (time, projected prefix-cache hit ratio), the latest reading."""
+    held: dict[str, TimeBuckets[tuple]] = field(default_factory=dict)
+    """Attribution series (``holder``) -> (time, blocks held) readings, the largest per bucket."""
+    occupancy: dict[str, dict[object, CounterSeries]] = field(default_factory=dict)
+    """Attribution series -> each engine's block-seconds counter."""
     times: TimeRange = field(default_factory=TimeRange)
     _pending: dict[object, PoolReading] = field(default_factory=dict)
 
@@ -152,6 +156,18 @@ class MetricDigest:
         if point.time >= self.projected.get(key, (-1, 0))[0]:
             self.projected[key] = (point.time, point.value)
 
+    def _held(self, point: Point) -> None:
+        series = self.held.setdefault(holder(point.attributes), TimeBuckets(lambda a, b: max(a, b, key=lambda r: r[1])))
+        series.add(point.time, (point.time, point.value))
+
+    def _occupancy(self, point: Point) -> None:
+        engines = self.occupancy.setdefault(holder(point.attributes), {})
+        engines.setdefault(point.attributes.get(names.ENGINE_INDEX), CounterSeries()).add(point)
+
+    def occupancy_totals(self) -> dict[str, float]:
+        """Block-seconds by attribution series, summed over engines."""
+        return {label: sum(s.total for s in engines.values()) for label, engines in self.occupancy.items()}
+
     def total(self, counter: str) -> float:
         """Summed over engines: the demo's table's ``counter_total``."""
         return sum(series.total for series in self.counters.get(counter, {}).values())
@@ -170,7 +186,19 @@ _HANDLERS = {
     names.GPU_MEMORY_USAGE: MetricDigest._device_memory,
     names.GPU_MEMORY_LIMIT: MetricDigest._device_limit,
     names.PROJECTED_HIT_RATIO: MetricDigest._projected,
+    names.HELD_BLOCKS: MetricDigest._held,
+    names.OCCUPANCY: MetricDigest._occupancy,
 }
+
+OVERFLOW_LABEL = "other (over the series limit)"
+
+
+def holder(attributes: dict) -> str:
+    """An attribution series' label: its attributes but the engine's, as ``name=value``."""
+    if attributes.get(names.METRIC_OVERFLOW):
+        return OVERFLOW_LABEL
+    shown = [f"{k}={v}" for k, v in sorted(attributes.items()) if k != names.ENGINE_INDEX]
+    return ", ".join(shown) or "(no attribution)"
 
 
 def read_metrics(path: Path) -> MetricDigest:

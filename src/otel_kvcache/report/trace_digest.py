@@ -11,6 +11,7 @@ used line between the gauge's once-a-second readings.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from otel_kvcache.report.sample import RowSample
 
 FINDINGS = (names.EVENT_LEAK, names.EVENT_ZOMBIE)
 """The events the leak gate names a request by (``gate.named_leaks``)."""
+
+GAP_BOUNDS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+"""Seconds: the session-gap histogram's buckets (the metric's, from 1 s)."""
 
 MARK_PREEMPTION = "preemptions"
 MARK_LEAK = "leak findings"
@@ -51,6 +55,10 @@ class RequestRow:
     preemptions: int
     stalls: int
     events: list[Event]
+    turn_gap: float | None = None
+    """For a returning session's request, seconds since its previous turn's release."""
+    prefix_kept: bool = True
+    """No prompt token missed the prefix cache because it had been evicted."""
 
 
 def _used_at_latest(a: tuple, b: tuple) -> tuple:
@@ -75,6 +83,8 @@ class TraceDigest:
     marks: dict[str, TimeBuckets[int]] = field(default_factory=dict)
     used_at_events: dict[object, TimeBuckets[tuple]] = field(default_factory=dict)
     """Engine -> (time, used, free blocks) that each KV event saw."""
+    turn_gaps: Counter = field(default_factory=Counter)
+    """(gap bucket's upper bound in seconds, prefix kept) -> returning session requests."""
     sample: RowSample[RequestRow] = field(default_factory=RowSample)
     times: TimeRange = field(default_factory=TimeRange)
 
@@ -84,6 +94,9 @@ class TraceDigest:
     def add_request(self, span: dict, engine) -> None:
         row = request_row(span)
         self._count(row)
+        if row.turn_gap is not None:
+            bound = next((b for b in GAP_BOUNDS if row.turn_gap <= b), math.inf)
+            self.turn_gaps[(bound, row.prefix_kept)] += 1
         self._fold_events(span, engine)
         leaked = any(e.name in FINDINGS for e in row.events)
         self.sample.offer(row, interesting=row.preemptions > 0 or leaked)
@@ -136,6 +149,8 @@ def request_row(span: dict) -> RequestRow:
         preemptions=int(a.get(names.PREEMPTIONS) or 0),
         stalls=int(a.get(names.ALLOCATION_STALLS) or 0),
         events=sorted((_event(e) for e in span.get("events", [])), key=lambda e: e.time),
+        turn_gap=None if a.get(names.SESSION_TURN_GAP) is None else float(a[names.SESSION_TURN_GAP]),
+        prefix_kept=not a.get(names.PREFIX_EVICTED_TOKENS),
     )
 
 

@@ -90,6 +90,8 @@ class HookPoint(NamedTuple):
     verified_on: tuple[str, ...] = VERIFIED
     until: str | None = None
     """The first release without this hook point (it exists only before it), or None."""
+    since: str | None = None
+    """The first release with this hook point, or None (every supported one)."""
 
     @property
     def qualname(self) -> str:
@@ -98,7 +100,11 @@ class HookPoint(NamedTuple):
     def applies_to(self, installed: str) -> bool:
         """Whether the installed vLLM (a version string) should have this hook point."""
         release = release_of(installed)
-        return self.until is None or release is None or release < Version(self.until)
+        if release is None:
+            return True
+        return (self.until is None or release < Version(self.until)) and (
+            self.since is None or release >= Version(self.since)
+        )
 
 
 HOOK_POINTS: tuple[HookPoint, ...] = (
@@ -143,8 +149,11 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint("vllm.v1.engine.input_processor", "InputProcessor", "assign_request_id", "attach_trace_context", hot=False),
     # Starts EngineCore and worker processes (named as in PROCESS_ROLES).
     HookPoint("multiprocessing.process", "BaseProcess", "start", "name_child_process", hot=False),
-    # API server, 0.30 and 0.31: the serving layer drops the caller's trace headers
-    # here (returns None) unless tracing is on, before AsyncLLM.add_request sees them.
+    # API server: the serving layer reads the caller's trace headers here and keeps
+    # traceparent and tracestate only; 0.30 and 0.31 drop those too (return None)
+    # unless tracing is on, before AsyncLLM.add_request sees them.
+    HookPoint("vllm.entrypoints.serve.engine.serving", "BaseServing", "_get_trace_headers", "recover_trace_headers",
+              hot=False, verified_on=("0.32.0", "0.33.0", "0.34.0"), since="0.32"),
     *(
         HookPoint(module, owner, "_get_trace_headers", "recover_trace_headers", hot=False,
                   verified_on=("0.30.0", "0.31.0"), until="0.32")
@@ -200,7 +209,7 @@ FEEDS = {
     "reset_prefix_cache": "the pool's composition after a prefix-cache reset",
     "remember_trace_headers": "the span's place in the caller's trace",
     "attach_trace_context": "the span's place in the caller's trace",
-    "recover_trace_headers": "the span's place in the caller's trace (0.30, 0.31)",
+    "recover_trace_headers": "the caller's baggage; the span's place in the caller's trace (0.30, 0.31)",
     "name_child_process": "vllm.process.role and vllm.engine.index in the resources",
     "connector_output": "KV connector transfers: remote KV ready, sends done, failed loads",
     "finished": "blocks a KV connector holds for finished requests",
@@ -357,6 +366,43 @@ def trace_headers_reader() -> Callable[[Any], Any]:
     """A request's W3C trace headers (``Request.trace_headers``), or None where vLLM keeps
     none: the span is then a root of its own trace."""
     return attrgetter("trace_headers") if internals.has("trace_headers") else lambda request: None
+
+
+def served_model_name(vllm_config: Any) -> str:
+    """The name clients ask for the engine's model by (``--served-model-name``, else the model)."""
+    model_config = vllm_config.model_config
+    name = getattr(model_config, "served_model_name", None) or model_config.model
+    return name[0] if isinstance(name, (list, tuple)) else str(name)
+
+
+def model_name_reader(served: str) -> Callable[[Any], str]:
+    """A request's model as a client named it: its LoRA adapter's name (``LoRARequest.lora_name``),
+    else the served model's."""
+    if not internals.has("lora_request"):
+        return lambda request: served
+
+    def model_of(request: Any) -> str:
+        adapter = request.lora_request
+        return served if adapter is None else adapter.lora_name
+
+    return model_of
+
+
+def session_id_reader() -> Callable[[Any], str | None]:
+    """A request's ``session_id`` (vLLM sets it from the body, ``X-Session-ID`` or ``vllm_xargs``)."""
+    return attrgetter("session_id") if internals.has("session_id") else _none
+
+
+def priority_reader() -> Callable[[Any], int]:
+    return attrgetter("priority") if internals.has("priority") else _zero
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _zero(_: Any) -> int:
+    return 0
 
 
 def new_requests_reader() -> Callable[[Any], Any]:

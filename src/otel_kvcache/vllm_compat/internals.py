@@ -107,6 +107,10 @@ INTERNALS: tuple[Internal, ...] = (
     # Without it a span starts when the engine first saw the request (its first
     # admission attempt or release), which leaves out its wait before that.
     Internal("arrival_time", REQUEST, "Request", "arrival_time", "assigned", "the span's start at arrival"),
+    # Who holds the KV cache (attribution.py).
+    Internal("session_id", REQUEST, "Request", "session_id", "assigned", "session.id and the sessions' turn gaps"),
+    Internal("priority", REQUEST, "Request", "priority", "assigned", "vllm.request.priority"),
+    Internal("lora_request", REQUEST, "Request", "lora_request", "assigned", "a LoRA adapter's name as the model"),
 )  # fmt: skip
 
 

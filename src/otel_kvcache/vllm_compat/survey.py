@@ -71,8 +71,8 @@ def hook_points(imported_only: bool = False) -> list[Finding]:
             continue
         core = point.role in vllm_compat.CORE_ROLES
         if not point.applies_to(installed):
-            findings.append(Finding("hook point", point.qualname, "n/a", f"only before vLLM {point.until}",
-                                    vllm_compat.FEEDS[point.role], core))
+            when = f"only before vLLM {point.until}" if point.until else f"only from vLLM {point.since}"
+            findings.append(Finding("hook point", point.qualname, "n/a", when, vllm_compat.FEEDS[point.role], core))
             continue
         status, detail = hook_point_status(point)
         if core and status == "missing":

@@ -11,6 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from demo.__main__ import SHORT_LOAD
+from demo.load import TENANTS
 from headless_chromium import open_and_check
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,19 +61,38 @@ def test_readme_command_1_prints_the_exported_spans(main_job):
     lines = result.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("request id")) + 2
     rows = [line.split() for line in lines[start : lines.index("", start)]]
-    # request id, scenario (words), prompt, prefix hit, peak blocks, preempted, finish
-    table = {r[0]: (int(r[-5]), int(r[-4]), int(r[-3]), int(r[-2]), r[-1]) for r in rows}
+    # request id, scenario (words), model, tenant, session, gap s, prompt, prefix hit, peak blocks,
+    # block-s, preempted, finish
+    table = {r[0]: (r[-10], r[-9], r[-8], r[-7], int(r[-6]), int(r[-5]), int(r[-4]), float(r[-3]), int(r[-2]), r[-1])
+             for r in rows}  # fmt: skip
 
     spans = _spans_in(out / "otlp" / "traces.jsonl")
     assert set(table) == set(spans)
     for request_id, attrs in spans.items():
+        gap = attrs.get("vllm.kv_cache.session.turn_gap")
         assert table[request_id] == (
+            attrs["gen_ai.request.model"],
+            attrs["tenant.id"],
+            attrs.get("session.id", "-"),
+            "-" if gap is None else f"{gap:.1f}",
             int(attrs["gen_ai.usage.input_tokens"]),
             int(attrs["gen_ai.usage.cache_read.input_tokens"]),
             int(attrs["vllm.kv_cache.blocks.peak"]),
+            round(attrs["vllm.kv_cache.occupancy"], 1),
             int(attrs["vllm.kv_cache.preemptions"]),
             attrs["vllm.request.finish_reason"],
         )
+    # Each chat is one session of one of the two tenants; its later turns have their gaps.
+    chats = [row for row in table.values() if row[2] != "-"]
+    assert {row[0] for row in table.values()} == {"tiny-llama"} and {row[1] for row in table.values()} == set(TENANTS)
+    assert len({row[2] for row in chats}) == SHORT_LOAD.chats
+    assert sum(row[3] != "-" for row in chats) == SHORT_LOAD.chats * (SHORT_LOAD.turns - 1)
+    # Who held the KV cache, by model and tenant: the occupancy counter's last value, which
+    # covers every span's block-seconds (the requests had ended when it was last read).
+    printed = dict(re.findall(r"^  (gen_ai\.request\.model=\S+ tenant\.id=\S+)\s+([\d.]+)\s", result.stdout, re.M))
+    by_tenant = {tenant: sum(a["vllm.kv_cache.occupancy"] for a in spans.values() if a["tenant.id"] == tenant)
+                 for tenant in TENANTS}  # fmt: skip
+    assert {label.rsplit("=", 1)[1]: pytest.approx(float(value), abs=0.15) for label, value in printed.items()} == by_tenant
     # Against vLLM's own count of the requests its engine ended: the rest were the
     # streaming clients that left mid-answer. (On a starved machine the engine can end
     # a stream before vLLM hears its client leave: then vLLM counts it, as "length".)
@@ -82,7 +103,7 @@ def test_readme_command_1_prints_the_exported_spans(main_job):
         reason: int(count) for reason, count in ended_in_engine.items()
     }
     left = [row for row in rows if row[-1] not in ended_in_engine]
-    assert all(row[-1] == "abort" and " ".join(row[1:-5]) == "client disconnects" for row in left), left
+    assert all(row[-1] == "abort" and " ".join(row[1:-10]) == "client disconnects" for row in left), left
     aborted = lines[lines.index(counted) + 1].strip()
     assert aborted == {
         0: "none was aborted: every streaming client's request ended in the engine first",

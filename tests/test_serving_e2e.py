@@ -69,15 +69,15 @@ def latest_used_blocks(sink) -> float | None:
     return None if latest is None else latest[1]
 
 
-def post_with_traceparent(server, path: str = "/v1/completions", **body):
-    """A request with a new caller's ``traceparent`` (by default a completion of one short
-    prompt): (trace id, the header, vLLM's response)."""
+def post_with_traceparent(server, path: str = "/v1/completions", headers: dict | None = None, **body):
+    """A request with a new caller's ``traceparent`` and ``headers`` (by default a completion
+    of one short prompt): (trace id, the header, vLLM's response)."""
     trace_id, header = traceparent()
     response = httpx.post(
         server.url + path,
         json={"model": str(server.config.model), "max_tokens": 12, "ignore_eos": True,
               **(body or {"prompt": "Who frees the blocks?"})},
-        headers={"traceparent": header},
+        headers={"traceparent": header, **(headers or {})},
         timeout=60,
     )
     response.raise_for_status()
@@ -383,20 +383,24 @@ def test_without_fastapi_the_kv_span_is_the_remote_callers_child_and_vllms_own_s
 def test_without_fastapi_nor_vllms_tracing_the_kv_span_joins_the_callers_trace(tiny_model, sink, tmp_path_factory):
     """Neither an HTTP server span nor ``--otlp-traces-endpoint``: vLLM itself drops the
     caller's ``traceparent`` (0.30 and 0.31 in the serving layer, later releases in
-    ``AsyncLLM.add_request``); the KV span is still the caller's child."""
+    ``AsyncLLM.add_request``), and every release its ``baggage``; the KV span is still the
+    caller's child, with the tenant the caller's baggage named."""
     config = ServerConfig(
-        model=tiny_model, otlp_endpoint=sink.endpoint, extra_env={"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "fastapi"}
-    )
+        model=tiny_model, otlp_endpoint=sink.endpoint,
+        extra_env={"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "fastapi", "OTEL_KVCACHE_BAGGAGE_KEYS": TENANT},
+    )  # fmt: skip
     server = VLLMServer(config, tmp_path_factory.mktemp("vllm-untraced") / "server.log").start()
+    baggage = {"baggage": f"{TENANT}=globex"}
     try:
         sent = [
-            post_with_traceparent(server)[:2],
-            post_with_traceparent(server, "/v1/chat/completions",
+            post_with_traceparent(server, headers=baggage)[:2],
+            post_with_traceparent(server, "/v1/chat/completions", headers=baggage,
                                   messages=[{"role": "user", "content": "Who frees the blocks?"}])[:2],
-        ]
+        ]  # fmt: skip
         for trace_id, header in sent:
             [(_, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
             assert span.parent_span_id == bytes.fromhex(header.split("-")[2])
+            assert span_attributes(span)[TENANT] == "globex"
             assert not [s for _, s in sink.spans() if s.trace_id == span.trace_id and s.name != names.KV_REQUEST_SPAN]
     finally:
         server.stop()

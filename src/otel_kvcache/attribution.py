@@ -19,9 +19,9 @@ series away without a reset), live ones at a collection admitted largest first, 
 rest fold into one series marked ``otel.metric.overflow=true``, as the metrics SDK
 marks its own. A session id is never a series attribute.
 
-**Sessions.** The table maps a hash of each session id to its last release here: about
-100 bytes a session, 6.5 MB at the default 65536 sessions, the least recently seen
-dropped first.
+**Sessions.** The table maps a hash of each session id to its last release here, the
+least recently seen dropped first: about 110 bytes a session (tracemalloc), 7.3 MB at the
+default 65536 sessions.
 """
 
 from __future__ import annotations

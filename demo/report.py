@@ -11,7 +11,7 @@ from pathlib import Path
 
 from otel_kvcache import names
 from otel_kvcache.otlp_json import kv_spans, latest_per_engine, metric_points
-from otel_kvcache.report.metric_digest import holder
+from otel_kvcache.report.metric_digest import holder, holder_names
 
 TENANT = "tenant.id"
 """The baggage entry the main job's clients name their tenant by (``demo/load.py``)."""
@@ -118,6 +118,8 @@ class Holder:
 @dataclass
 class HoldersSummary:
     holders: list[Holder]
+    labelled_by: str
+    """The attributes each holder's label gives the values of."""
     returning: int
     """Requests of a session seen before on their engine."""
     kept: int
@@ -136,13 +138,16 @@ def holders_summary(metrics_path: Path, spans: list[dict]) -> HoldersSummary:
     for (label, _), point in latest.items():
         seconds[label] = seconds.get(label, 0.0) + point["value"]
     peaks: dict[str, float] = {}
+    labelled_by = ""
     for point in metric_points(metrics_path, names.HELD_BLOCKS):
+        labelled_by = labelled_by or holder_names(point["attributes"])
         label = holder(point["attributes"])
         peaks[label] = max(peaks.get(label, 0.0), point["value"])
     returning = [s["attributes"] for s in spans if names.SESSION_TURN_GAP in s["attributes"]]
     return HoldersSummary(
         holders=[Holder(label, seconds.get(label, 0.0), peaks.get(label, 0.0))
                  for label in sorted(set(seconds) | set(peaks), key=lambda label: -seconds.get(label, 0.0))],
+        labelled_by=labelled_by,
         returning=len(returning),
         kept=sum(1 for a in returning if not a.get(names.PREFIX_EVICTED_TOKENS)),
         gaps=sorted(a[names.SESSION_TURN_GAP] for a in returning),
@@ -151,8 +156,9 @@ def holders_summary(metrics_path: Path, spans: list[dict]) -> HoldersSummary:
 
 def format_holders(summary: HoldersSummary) -> str:
     lines = ["who holds the KV cache (vllm.kv_cache.occupancy, vllm.kv_cache.held_blocks):"]
-    width = max((len(h.label) for h in summary.holders), default=0)
-    lines.append(f"  {'holder'.ljust(width)}  block-seconds  peak blocks held")
+    title = f"{summary.labelled_by or 'holder'}"
+    width = max([len(title), *(len(h.label) for h in summary.holders)])
+    lines.append(f"  {title.ljust(width)}  block-seconds  peak blocks held")
     for h in summary.holders:
         lines.append(f"  {h.label.ljust(width)}  {h.block_seconds:13.1f}  {h.peak_held:16.1f}")
     if summary.returning:

@@ -36,8 +36,10 @@ def event(name: str, at: float, **attributes) -> dict:
     return {"timeUnixNano": str(T0 + int(at * SECOND)), "name": name, "attributes": attrs(attributes)}
 
 
-def kv_span(request_id: str, trace: int, start: float, end: float, finish: str, events: list[dict], **span_attrs) -> dict:
+def kv_span(request_id: str, trace: int, start: float, end: float, finish: str, events: list[dict],
+            more: dict | None = None, **span_attrs) -> dict:  # fmt: skip
     attributes = {
+        **(more or {}),
         names.REQUEST_ID: request_id,
         names.INPUT_TOKENS: span_attrs.get("prompt", 64),
         names.CACHE_READ_INPUT_TOKENS: span_attrs.get("hit", 0),
@@ -75,10 +77,14 @@ def gauge(name: str, at: float, points: list[tuple[float, dict]]) -> dict:
     return {"name": name, "gauge": {"dataPoints": data_points}}
 
 
-def counter(name: str, at: float, total: float, engine: int = 0) -> dict:
-    point = {"startTimeUnixNano": str(T0), "timeUnixNano": str(T0 + int(at * SECOND)), **_number(total),
-             "attributes": attrs({names.ENGINE_INDEX: engine})}  # fmt: skip
-    return {"name": name, "sum": {"dataPoints": [point], "aggregationTemporality": "AGGREGATION_TEMPORALITY_CUMULATIVE",
+def counter(name: str, at: float, total: float, engine: int = 0, series: list[tuple[float, dict]] = ()) -> dict:
+    """A cumulative counter's reading: ``total``, or each of ``series`` (value, attributes)."""
+    points = [
+        {"startTimeUnixNano": str(T0), "timeUnixNano": str(T0 + int(at * SECOND)), **_number(value),
+         "attributes": attrs({names.ENGINE_INDEX: engine, **attributes})}
+        for value, attributes in (series or [(total, {})])
+    ]  # fmt: skip
+    return {"name": name, "sum": {"dataPoints": points, "aggregationTemporality": "AGGREGATION_TEMPORALITY_CUMULATIVE",
                                   "isMonotonic": True}}  # fmt: skip
 
 
@@ -112,6 +118,8 @@ class Run:
     queries: list[int] = field(default_factory=lambda: [0, 64, 128, 256, 320, 320])
     zombies: list[int] = field(default_factory=lambda: [0, 0, 0, 0, 1, 1])
     scales: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    models: tuple[str, ...] = ("llama", "adapter-x")
+    """The attribution series: the first holds three quarters of the used blocks."""
 
     def spans(self) -> list[dict]:
         free_used = lambda free, used: {names.POOL_FREE_BLOCKS: free, names.POOL_USED_BLOCKS: used}  # noqa: E731
@@ -127,7 +135,8 @@ class Run:
                 event(names.EVENT_PREEMPTED, 3.3, **{names.BLOCKS: 7}, **free_used(0, 16)),
                 event(names.EVENT_RESUMED, 3.6, **{names.BLOCKS: 7, names.EVENT_PREFIX_HIT_TOKENS: 96}, **free_used(3, 13)),
                 event(names.EVENT_RELEASED, 4.4, **{names.BLOCKS: 8}, **free_used(11, 5)),
-            ], prompt=100, hit=96, peak=8, preemptions=2, stalls=9),
+            ], more={names.SESSION_TURN_GAP: 40.0, names.PREFIX_EVICTED_TOKENS: 32}, prompt=100, hit=96, peak=8,
+               preemptions=2, stalls=9),
             kv_span("req-c", 3, 2.0, 2.6, "abort", [
                 event(names.EVENT_ADMITTED, 2.1, **{names.BLOCKS: 1, names.EVENT_PREFIX_HIT_TOKENS: 0}, **free_used(0, 16)),
                 event(names.EVENT_RELEASED, 2.6, **{names.BLOCKS: 1}, **free_used(4, 12)),
@@ -136,7 +145,7 @@ class Run:
                 event(names.EVENT_ADMITTED, 3.9, **{names.BLOCKS: 3, names.EVENT_PREFIX_HIT_TOKENS: 48}, **free_used(1, 15)),
                 event(names.EVENT_RELEASED, 4.8, **{names.BLOCKS: 3}, **free_used(9, 7)),
                 event(names.EVENT_LEAK, 4.8, **{names.REQUEST_ID: "req-d", names.BLOCKS: 2}),
-            ], prompt=64, hit=48, peak=3),
+            ], more={names.SESSION_TURN_GAP: 0.3, names.PREFIX_EVICTED_TOKENS: 0}, prompt=64, hit=48, peak=3),
         ]
 
     def finding(self) -> dict:
@@ -163,7 +172,14 @@ class Run:
                 gauge(names.ORPHANED_BLOCKS, second, [(0, engine)]),
                 gauge(names.ZOMBIE_REQUESTS, second, [(self.zombies[second], engine)]),
                 gauge(names.TAIL_SLACK_RATIO, second, [(0.1, engine)]),
+                counter(names.OCCUPANCY, second, 0, series=[
+                    (float(3 * second * (k + 1)), {names.MODEL: model}) for k, model in enumerate(self.models)]),
             ]  # fmt: skip
+            if used:  # no series while nothing is held
+                metrics.append(gauge(names.HELD_BLOCKS, second, [
+                    (used * 0.75, {**engine, names.MODEL: self.models[0]}),
+                    (used * 0.25, {**engine, names.MODEL: self.models[1]}),
+                ]))  # fmt: skip
             if self.with_what_if and second >= 3:
                 metrics.append(gauge(names.PROJECTED_HIT_RATIO, second, [
                     (min(1.0, 0.3 + 0.1 * second * scale ** 0.5), {**engine, names.POOL_SCALE: scale})

@@ -191,6 +191,34 @@ def test_distributions_count_every_request(run_files, page):
     assert counts(data["prefix_hit_ratio"]) == ratios
 
 
+def test_who_holds_the_kv_cache_is_every_series_reading_and_its_last_total(run_files, page):
+    data = script_json(page, "spec-holders")["datasets"]
+    held = points_in(run_files, names.HELD_BLOCKS)
+    used = {t: v for t, v, a in points_in(run_files, names.BLOCKS) if a[names.BLOCK_STATE] == "used"}
+    rows = {(r["t"], r["holder"]): r["blocks"] for r in data["held"]}
+    # Every reading of the pool, each series' blocks then (0 where it had no point): the
+    # series stack up to the used blocks.
+    assert len(rows) == len(used) * len(Run.models)
+    for time, blocks in used.items():
+        t = round((time - T0) / 1e9, 4)
+        assert sum(rows[(t, model)] for model in Run.models) == blocks
+    assert {(round((t - T0) / 1e9, 4), a[names.MODEL]): v for t, v, a in held} == {k: v for k, v in rows.items() if v}
+    last = {}
+    for t, v, a in sorted(points_in(run_files, names.OCCUPANCY), key=lambda p: p[0]):
+        last[a[names.MODEL]] = v
+    assert {r["holder"]: r["block_seconds"] for r in data["occupancy"]} == last
+
+
+def test_session_gaps_count_each_returning_request_by_whether_it_kept_its_prefix(run_files, page):
+    rows = script_json(page, "spec-session_gaps")["datasets"]["turn_gaps"]
+    returning = [_attributes(s["attributes"]) for s in spans_in(run_files)]
+    returning = [a for a in returning if names.SESSION_TURN_GAP in a]
+    assert sorted((r["gap"], r["kept"], r["requests"]) for r in rows) == sorted(
+        ("≤ 60 s" if a[names.SESSION_TURN_GAP] > 30 else "≤ 0.5 s",
+         "prefix evicted" if int(a[names.PREFIX_EVICTED_TOKENS]) else "prefix kept", 1) for a in returning
+    )  # fmt: skip
+
+
 def test_what_if_curve_is_each_scales_latest_reading(run_files, page):
     rows = script_json(page, "spec-whatif")["datasets"]["projected"]
     points = points_in(run_files, names.PROJECTED_HIT_RATIO)
@@ -227,7 +255,7 @@ def test_the_page_needs_no_network(page):
 def test_the_page_renders_every_chart_in_headless_chromium(page, tmp_path):
     path = tmp_path / "report.html"
     path.write_text(page)
-    shares = open_and_check(path, {"pool", "device", "timeline", "distributions", "whatif"})
+    shares = open_and_check(path, {"pool", "device", "holders", "timeline", "session_gaps", "distributions", "whatif"})
     # Marks drawn in colour, not only axes and grey gridlines: the stacked pool is most
     # of its plot, a thin NVML line the least.
     assert shares["pool"] > 0.25, shares
@@ -235,6 +263,8 @@ def test_the_page_renders_every_chart_in_headless_chromium(page, tmp_path):
     assert shares["timeline"] > 0.05, shares
     assert shares["distributions"] > 0.03, shares
     assert shares["whatif"] > 0.003, shares
+    assert shares["holders"] > 0.05, shares
+    assert shares["session_gaps"] > 0.01, shares
 
 
 # --- nothing to report -----------------------------------------------------------

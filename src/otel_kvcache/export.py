@@ -286,7 +286,7 @@ class RequestHistograms:
             unit="s",
             description="Seconds from a session's previous request's release to its next request's arrival, "
             "by whether the next one found its prefix.",
-            explicit_bucket_boundaries_advisory=[0.1, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200],
+            explicit_bucket_boundaries_advisory=[0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200],
         )
         self.connector_wait = meter.create_histogram(
             names.REQUEST_CONNECTOR_WAIT,

@@ -24,10 +24,15 @@ KEPT_COLOURS = {"prefix kept": "#54a24b", "prefix evicted": "#d62728"}
 
 
 def held_rows(metrics: MetricDigest, base: TimeBase) -> list[dict]:
+    """Each series at each reading of the pool or of any series: 0 where it held nothing
+    (a gauge series without live requests has no point then)."""
+    readings = {label: {time: blocks for _, _, (time, blocks) in buckets} for label, buckets in metrics.held.items()}
+    times = {time for series in readings.values() for time in series}
+    times |= {reading.time for buckets in metrics.pool.values() for _, _, reading in buckets}
     return [
-        {"t": base.seconds(time), "holder": label, "blocks": blocks}
-        for label, buckets in sorted(metrics.held.items())
-        for _, _, (time, blocks) in buckets
+        {"t": base.seconds(time), "holder": label, "blocks": series.get(time, 0)}
+        for label, series in sorted(readings.items())
+        for time in sorted(times)
     ]
 
 
@@ -40,7 +45,7 @@ def holders(metrics: MetricDigest, base: TimeBase) -> Figure | None:
     held, cost = held_rows(metrics, base), occupancy_rows(metrics)
     if not held and not cost:
         return None
-    colour = alt.Color("holder:N", legend=alt.Legend(title=None, orient="top", labelLimit=400))
+    colour = alt.Color("holder:N", legend=alt.Legend(title=metrics.holder_names or None, orient="top", labelLimit=400, titleLimit=400))
     over_time = (
         alt.Chart(alt.NamedData("held"), title="Blocks held now (a shared block split between its holders)")
         .mark_area(interpolate="step-after", opacity=0.85)
@@ -89,7 +94,8 @@ def session_gaps(traces: TraceDigest) -> Figure | None:
         alt.Chart(alt.NamedData("turn_gaps"))
         .mark_bar()
         .encode(
-            x=alt.X("gap:O", sort=alt.EncodingSortField("order"), title="gap since the session's previous turn"),
+            x=alt.X("gap:O", sort=alt.EncodingSortField("order"), title="gap since the session's previous turn",
+                    axis=alt.Axis(labelAngle=0)),
             y=alt.Y("requests:Q", stack="zero", title="returning session requests"),
             color=alt.Color("kept:N", scale=alt.Scale(domain=list(KEPT_COLOURS), range=list(KEPT_COLOURS.values())),
                             legend=alt.Legend(title=None, orient="top")),

@@ -92,6 +92,8 @@ class MetricDigest:
     """Attribution series (``holder``) -> (time, blocks held) readings, the largest per bucket."""
     occupancy: dict[str, dict[object, CounterSeries]] = field(default_factory=dict)
     """Attribution series -> each engine's block-seconds counter."""
+    holder_names: str = ""
+    """The attributes the attribution series are labelled by (``holder_names``)."""
     times: TimeRange = field(default_factory=TimeRange)
     _pending: dict[object, PoolReading] = field(default_factory=dict)
 
@@ -157,6 +159,7 @@ class MetricDigest:
             self.projected[key] = (point.time, point.value)
 
     def _held(self, point: Point) -> None:
+        self.holder_names = self.holder_names or holder_names(point.attributes)
         series = self.held.setdefault(holder(point.attributes), TimeBuckets(lambda a, b: max(a, b, key=lambda r: r[1])))
         series.add(point.time, (point.time, point.value))
 
@@ -194,11 +197,16 @@ OVERFLOW_LABEL = "other (over the series limit)"
 
 
 def holder(attributes: dict) -> str:
-    """An attribution series' label: its attributes but the engine's, as ``name=value``."""
+    """An attribution series' label: the values of its attributes but the engine's, in the
+    order of their names (``holder_names``)."""
     if attributes.get(names.METRIC_OVERFLOW):
         return OVERFLOW_LABEL
-    shown = [f"{k}={v}" for k, v in sorted(attributes.items()) if k != names.ENGINE_INDEX]
-    return ", ".join(shown) or "(no attribution)"
+    return ", ".join(str(v) for k, v in sorted(attributes.items()) if k != names.ENGINE_INDEX) or "(all)"
+
+
+def holder_names(attributes: dict) -> str:
+    """What an attribution series' label is made of: its attributes' names."""
+    return ", ".join(k for k in sorted(attributes) if k not in (names.ENGINE_INDEX, names.METRIC_OVERFLOW))
 
 
 def read_metrics(path: Path) -> MetricDigest:

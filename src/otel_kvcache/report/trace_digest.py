@@ -25,8 +25,8 @@ from otel_kvcache.report.sample import RowSample
 FINDINGS = (names.EVENT_LEAK, names.EVENT_ZOMBIE)
 """The events the leak gate names a request by (``gate.named_leaks``)."""
 
-GAP_BOUNDS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
-"""Seconds: the session-gap histogram's buckets (the metric's, from 1 s)."""
+GAP_BOUNDS = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+"""Seconds: the session-gap histogram's buckets (``vllm.kv_cache.session.turn_gap``'s)."""
 
 MARK_PREEMPTION = "preemptions"
 MARK_LEAK = "leak findings"

@@ -162,15 +162,21 @@ def test_occupancy_is_the_blocks_held_integrated_over_the_steps(model_config, at
 
     def after_step(engine):
         now = time.time_ns()
+        # Released within the step's update_from_output (monotonic times): its middle, on the wall clock.
+        update = (engine.truth.update_started + engine.truth.update_ended) / 2
         for request_id in set(samples) - set(engine.scheduler.requests) - set(released_ns):
-            released_ns[request_id] = now
-        if engine.steps == 30:  # a collection while requests run counts them up to now
+            released_ns[request_id] = now - int((time.monotonic() - update) * 1e9)
+        if engine.steps == 30:  # a collection while requests run counts them up to the collection
             occupancy = {p.attributes[TENANT]: p.value for p in telemetry.points(names.OCCUPANCY)}
-            truth = _integrals({r: p for r, p in samples.items()}, {**{r: now for r in samples}, **released_ns})
-            by_tenant = Counter()
-            for request_id, seconds in truth.items():
-                by_tenant[_tenant_of(engine.requests[request_id])] += seconds
-            live_checked.append((occupancy, by_tenant))
+            collected = time.time_ns()
+            bounds = []
+            for until in (now, collected):
+                truth = _integrals(samples, {**{r: until for r in samples}, **released_ns})
+                by_tenant = Counter()
+                for request_id, seconds in truth.items():
+                    by_tenant[_tenant_of(engine.requests[request_id])] += seconds
+                bounds.append(by_tenant)
+            live_checked.append((occupancy, *bounds))
 
     engine.run(after_schedule=_record_held(samples), after_step=after_step)
     assert sum(r.num_preemptions for r in engine.requests.values()), "the pool was tight enough to preempt"
@@ -179,7 +185,7 @@ def test_occupancy_is_the_blocks_held_integrated_over_the_steps(model_config, at
     spans = telemetry.span_by_request()
     errors = {r: spans[r].attributes[names.OCCUPANCY] / seconds - 1 for r, seconds in truth.items()}
     total_error = sum(spans[r].attributes[names.OCCUPANCY] for r in truth) / sum(truth.values()) - 1
-    print(f"\nocccupancy vs vLLM's blocks per step: per request max {max(map(abs, errors.values())):.3f}, "
+    print(f"\noccupancy vs vLLM's blocks per step: per request max {max(map(abs, errors.values())):.3f}, "
           f"total {total_error:+.4f}")  # fmt: skip
     assert max(map(abs, errors.values())) < PER_REQUEST_TOLERANCE, errors
     assert abs(total_error) < TOTAL_TOLERANCE
@@ -190,14 +196,16 @@ def test_occupancy_is_the_blocks_held_integrated_over_the_steps(model_config, at
         by_tenant[_tenant_of(engine.requests[request_id])] += seconds
     for tenant, seconds in by_tenant.items():
         assert counted[tenant] == pytest.approx(seconds, rel=TOTAL_TOLERANCE)
-    [(live, live_truth)] = live_checked
-    for tenant, seconds in live_truth.items():
-        assert live[tenant] == pytest.approx(seconds, rel=PER_REQUEST_TOLERANCE)
+    [(live, before, after)] = live_checked
+    for tenant in before:
+        assert before[tenant] * (1 - TOTAL_TOLERANCE) <= live[tenant] <= after[tenant] * (1 + TOTAL_TOLERANCE)
         assert live[tenant] < counted[tenant]
 
 
-PER_REQUEST_TOLERANCE = 0.15
-TOTAL_TOLERANCE = 0.05
+PER_REQUEST_TOLERANCE = 0.12
+"""Measured here on 0.30, 0.32 and 0.34: 3.5 to 7 % at most per request, within 0.6 % in
+all; what is left is the steps' uneven pace."""
+TOTAL_TOLERANCE = 0.04
 
 
 def test_two_hundred_tenants_make_at_most_limit_plus_one_series(model_config, attributed):

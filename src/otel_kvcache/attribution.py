@@ -4,7 +4,7 @@ tenant, and whether a session finds its context again at its next turn.
 One ``Attribution`` lives beside each engine's telemetry, used by two threads:
 
 - the engine thread, once per request at its release: the request's block-seconds
-  (``tally.hold``) join its series' count, and a request of a session gets its turn
+  (``tally.stretch_block_ns``) join its series' count, and a request of a session gets its turn
   gap from the session table. Nothing per step.
 - the metric reader's thread, at each collection: the fair share of the blocks held
   now, read from vLLM's block lists and reference counts (a block k requests share
@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from math import fsum
 from typing import Any
 
@@ -86,9 +86,7 @@ class Attribution:
         self.priority_of = priority_reader()
         self._trace_headers_of = trace_headers_reader()
         self._baggage_keys = tuple(n for n in self.attribute_names if n not in names.ATTRIBUTION_CHOICES)
-        self.key_of: Callable[[Any], Key] = (
-            self._model_key if self.attribute_names == (names.MODEL,) else self._key
-        )
+        self._model_only = self.attribute_names == (names.MODEL,)
         self.sessions = SessionTable(config.session_table_size())
         self._engine_attributes = dict(engine_attributes)
         self._series: dict[Key, dict[str, Any]] = {}
@@ -105,24 +103,19 @@ class Attribution:
 
     # --- keys and series ----------------------------------------------------------
 
-    def _model_key(self, request: Any) -> Key:
-        return (self.model_of(request),)
+    def key_of(self, request: Any) -> Key:
+        return self._key(request, self.model_of(request), self.priority_of(request))
 
-    def _key(self, request: Any) -> Key:
+    def _key(self, request: Any, model: str, priority: int) -> Key:
+        if self._model_only:
+            return (model,)
         baggage = (
             baggage_entries(self._trace_headers_of(request), self._baggage_keys, self.value_limit)
             if self._baggage_keys
             else {}
         )
-        values = []
-        for name in self.attribute_names:
-            if name == names.MODEL:
-                values.append(self.model_of(request))
-            elif name == names.PRIORITY:
-                values.append(self.priority_of(request))
-            else:
-                values.append(baggage.get(name))
-        return tuple(values)
+        known = {names.MODEL: model, names.PRIORITY: priority}
+        return tuple(known[name] if name in known else baggage.get(name) for name in self.attribute_names)
 
     def series_of(self, key: Key) -> Key:
         """The series a key counts in: its own, while there is room, else the overflow."""
@@ -142,9 +135,13 @@ class Attribution:
 
     # --- the engine thread ----------------------------------------------------------
 
-    def request_ended(self, request: Any, block_ns: int) -> None:
-        series = self.series_of(self.key_of(request))
+    def request_ended(self, request: Any, block_ns: int) -> tuple[str, int]:
+        """The request's block-seconds join its series; returns its model and priority
+        (read once: its span carries them)."""
+        model, priority = self.model_of(request), self.priority_of(request)
+        series = self.series_of(self._key(request, model, priority))
         self.finished_block_ns[series] = self.finished_block_ns.get(series, 0) + block_ns
+        return model, priority
 
     # --- the metric reader's thread ---------------------------------------------------
 
@@ -179,14 +176,16 @@ class Attribution:
         self._live_keys = seen  # requests that hold no block are looked up again when they do
         return [(self.attributes_of(series), value) for series, value in self._by_series(by_key).items()]
 
-    def occupancy_seconds(self, tallies: Mapping[str, array], held_blocks: Callable[[str], int],
-                          requests: Mapping[str, Any]) -> list[tuple[dict, float]]:  # fmt: skip
+    def occupancy_seconds(self, tallies: Mapping[str, array], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
         """Block-seconds by series: finished requests', and live ones' up to now."""
         by_series = {series: block_ns / 1e9 for series, block_ns in list(self.finished_block_ns.items())}
         now_ns = time.time_ns()
         live: dict[Key, float] = {}
         for request_id, tally in list(tallies.items()):
-            block_ns = occupancy_until(tally, now_ns, held_blocks(request_id))
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            block_ns = occupancy_until(tally, now_ns, request.num_computed_tokens)
             if block_ns:
                 key = self._live_key(request_id, requests)
                 live[key] = live.get(key, 0.0) + block_ns / 1e9

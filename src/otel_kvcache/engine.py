@@ -42,8 +42,9 @@ from otel_kvcache.tally import (
     OUTPUT_TOKENS,
     PEAK,
     PERIOD_HIT_TOKENS,
-    PERIOD_START_BLOCKS,
-    PERIOD_START_NS,
+    STRETCH_START_BLOCKS,
+    STRETCH_START_NS,
+    STRETCH_START_TOKENS,
     OCCUPANCY_BLOCK_NS,
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
@@ -253,21 +254,23 @@ class EngineTelemetry:
     def _admitted(self, request_id: str) -> None:
         """An admission opens a period; its prefix hits count when the period closes
         (``tally.close_admission_period``: at a preemption, or in the exporter)."""
-        tally = self._tally_of(self.scheduler_requests[request_id])
+        request = self.scheduler_requests[request_id]
+        tally = self._tally_of(request)
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
         held = self.held_blocks(request_id)
         if tally[ADMITTED_NS] or tally[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
             if self.preempted_blocks:
                 self.preempted_demand -= self.preempted_blocks.pop(request_id, 0)
-            hold(tally, time.time_ns(), held, held)
+            hold(tally, time.time_ns(), request.num_computed_tokens, held)
             count_period_hits(tally)
             if held > tally[PEAK]:
                 tally[PEAK] = held
             event = names.EVENT_RESUMED if tally[PREEMPTIONS] else names.EVENT_ADMITTED
             self.event(request_id, event, held, hit_tokens)
         else:  # the first admission's blocks count towards the peak in the exporter
-            tally[ADMITTED_NS] = tally[PERIOD_START_NS] = time.time_ns()
-            tally[ADMITTED_BLOCKS] = tally[PERIOD_START_BLOCKS] = held
+            tally[ADMITTED_NS] = tally[STRETCH_START_NS] = time.time_ns()
+            tally[ADMITTED_BLOCKS] = tally[STRETCH_START_BLOCKS] = held
+            tally[STRETCH_START_TOKENS] = request.num_computed_tokens  # this step's included
             tally[ADMITTED_HIT_TOKENS] = hit_tokens
             tally[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
         tally[PERIOD_HIT_TOKENS] = hit_tokens
@@ -303,7 +306,7 @@ class EngineTelemetry:
         tally[PREEMPTIONS] += 1
         tally[RECOMPUTED_TOKENS] += computed
         close_admission_period(tally, released)
-        hold(tally, time.time_ns(), released, 0)
+        hold(tally, time.time_ns(), computed, 0)
         detail = (computed, preempted_for, None)
         if preempted_for is not None and (reported := self.reported_id(preempted_for)) is not preempted_for:
             detail = (computed, reported, len(preempted_for))
@@ -324,8 +327,8 @@ class EngineTelemetry:
         # The exporter closes the last admission period (tally.close_admission_period).
         tally[FREED] = freed
         tally[RELEASED_NS] = released_ns = time.time_ns()
-        if tally[PERIOD_START_NS]:
-            hold(tally, released_ns, freed, 0)
+        if tally[STRETCH_START_NS]:
+            hold(tally, released_ns, request.num_computed_tokens, 0)
         tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
         tally[STILL_HELD] = self.held_blocks(request_id)
@@ -336,11 +339,10 @@ class EngineTelemetry:
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
         connector = self.connectors.on_released(request_id) if self.connectors is not None else None
-        attribution = self.attribution
-        attribution.request_ended(request, tally[OCCUPANCY_BLOCK_NS])
+        model, priority = self.attribution.request_ended(request, tally[OCCUPANCY_BLOCK_NS])
         session_id = self._session_of(request)
         if session_id is not None:
-            tally[TURN_GAP_NS] = attribution.sessions.turn_gap_ns(session_id, tally[START_NS], released_ns)
+            tally[TURN_GAP_NS] = self.attribution.sessions.turn_gap_ns(session_id, tally[START_NS], released_ns)
         if is_instrumentation_enabled():
             reported_id = self.reported_id(request_id)
             if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
@@ -358,8 +360,8 @@ class EngineTelemetry:
                     self._attribute_items,
                     connector,
                     (
-                        attribution.model_of(request),
-                        attribution.priority_of(request),
+                        model,
+                        priority,
                         None if session_id is None else cut(session_id, self.value_limit),
                         0 if session_id is None or len(session_id) <= self.value_limit else len(session_id),
                     ),

@@ -147,9 +147,7 @@ class KVCacheInstruments:
     def _observe_occupancy(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):
             attribution = engine.attribution
-            for attributes, seconds in attribution.occupancy_seconds(
-                engine.requests, engine.held_blocks, engine.scheduler_requests
-            ):
+            for attributes, seconds in attribution.occupancy_seconds(engine.requests, engine.scheduler_requests):
                 yield Observation(seconds, attributes)
 
     def _observe_eviction_age_max(self, options: CallbackOptions) -> Iterable[Observation]:

@@ -30,7 +30,6 @@ import threading
 import time
 from array import array
 from collections.abc import Iterable, Mapping
-from math import fsum
 from typing import Any
 
 from otel_kvcache import config, names
@@ -38,6 +37,7 @@ from otel_kvcache.propagation import baggage_entries
 from otel_kvcache.tally import occupancy_until
 from otel_kvcache.vllm_compat import (
     blocks_by_request,
+    fair_share,
     model_name_reader,
     priority_reader,
     served_model_name,
@@ -166,11 +166,11 @@ class Attribution:
         reference count (vLLM's ``ref_cnt``: how many block lists hold it)."""
         by_key: dict[Key, float] = {}
         seen: dict[str, Key] = {}
-        for manager, _ in type_managers:
+        for manager, may_hold_null in type_managers:
             for request_id, blocks in list(blocks_by_request(manager).items()):
                 if not blocks:
                     continue
-                share = fsum(1.0 / block.ref_cnt for block in list(blocks) if block.ref_cnt > 0 and not block.is_null)
+                share = fair_share(list(blocks), may_hold_null)
                 key = seen[request_id] = self._live_key(request_id, requests)
                 by_key[key] = by_key.get(key, 0.0) + share
         self._live_keys = seen  # requests that hold no block are looked up again when they do

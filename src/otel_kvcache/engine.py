@@ -61,6 +61,7 @@ from otel_kvcache.tally import (
     close_admission_period,
     count_period_hits,
     hold,
+    stretch_block_ns,
 )
 from otel_kvcache.attribution import Attribution
 from otel_kvcache.errors import InstrumentationErrors
@@ -327,8 +328,8 @@ class EngineTelemetry:
         # The exporter closes the last admission period (tally.close_admission_period).
         tally[FREED] = freed
         tally[RELEASED_NS] = released_ns = time.time_ns()
-        if tally[STRETCH_START_NS]:
-            hold(tally, released_ns, request.num_computed_tokens, 0)
+        if tally[STRETCH_START_NS]:  # its last stretch (the tally's other stretch fields are done with)
+            tally[OCCUPANCY_BLOCK_NS] += stretch_block_ns(tally, released_ns, request.num_computed_tokens)
         tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
         tally[STILL_HELD] = self.held_blocks(request_id)

@@ -83,6 +83,8 @@ class KVCacheInstruments:
             (names.KV_MEMORY_LIMIT, "By", "Bytes of the usable KV-cache pool.", self._observe_kv_memory_limit),
             (names.EVICTION_AGE_MAX, "s", "Oldest prefix-cache block evicted since the previous collection.",
              self._observe_eviction_age_max),
+            (names.HELD_BLOCKS, "{block}", "Blocks live requests hold now, a block shared by k requests counting 1/k "
+             "to each.", self._observe_held_blocks),
         ):  # fmt: skip
             meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
         meter.create_observable_counter(
@@ -121,18 +123,10 @@ class KVCacheInstruments:
                 name, callbacks=[self._connector_callback(attrgetter(where))], unit=unit, description=description
             )
         # Who holds the pool, by the attribution series (attribution.py).
-        meter.create_observable_gauge(
-            names.HELD_BLOCKS,
-            callbacks=[self._observe_held_blocks],
-            unit="{block}",
-            description="Blocks live requests hold now, a block shared by k requests counting 1/k to each.",
-        )
         meter.create_observable_counter(
-            names.OCCUPANCY,
-            callbacks=[self._observe_occupancy],
-            unit="{block}.s",
+            names.OCCUPANCY, callbacks=[self._observe_occupancy], unit="{block}.s",
             description="Block-seconds held by requests, live ones included up to each collection.",
-        )
+        )  # fmt: skip
         for name, unit, description, field in _FINDING_GAUGES:
             read = attrgetter(f"reconciler.report.{field}")
             meter.create_observable_gauge(

@@ -144,15 +144,16 @@ def stretch_block_ns(tally: array, now_ns: int, tokens: int) -> int:
     at the start. Exact but for the pace; a whole stretch costs a few integer operations.
     Against vLLM's block lists read at every step: ``tests/test_attribution.py``.
     """
-    start_ns, start_blocks, start_tokens = tally[STRETCH_START_NS], tally[STRETCH_START_BLOCKS], tally[STRETCH_START_TOKENS]
+    start_ns = tally[STRETCH_START_NS]
     if now_ns <= start_ns:
         return 0
+    start_tokens = tally[STRETCH_START_TOKENS]
     steps = tokens - start_tokens + 1  # the steps' computed tokens: start_tokens ... tokens
     if steps <= 1:
-        return start_blocks * (now_ns - start_ns)
+        return tally[STRETCH_START_BLOCKS] * (now_ns - start_ns)
     size = tally[BLOCK_SIZE]
     more_blocks = _blocks_summed(tokens, size) - _blocks_summed(start_tokens - 1, size) - steps * -(-start_tokens // size)
-    return (start_blocks * steps + more_blocks) * (now_ns - start_ns) // steps
+    return (tally[STRETCH_START_BLOCKS] * steps + more_blocks) * (now_ns - start_ns) // steps
 
 
 def _blocks_summed(tokens: int, size: int) -> int:

@@ -173,5 +173,6 @@ def test_readme_command_1_writes_a_report_with_the_tables_totals(main_job):
 def test_readme_command_1_report_draws_in_headless_chromium(main_job):
     _, out = main_job
     # No GPU here: no device chart; the what-if curve when the capacity gauge is exported.
-    shares = open_and_check(out / "report.html", {"pool", "timeline", "distributions"}, frozenset({"whatif"}))
+    charts = {"pool", "holders", "timeline", "session_gaps", "distributions"}
+    shares = open_and_check(out / "report.html", charts, frozenset({"whatif"}))
     assert all(share > 0.005 for share in shares.values()), shares

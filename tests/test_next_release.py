@@ -58,7 +58,7 @@ def _busy_run(model_config) -> tuple[EngineHarness, list]:
 
 
 def _pieces() -> list:
-    hook_points = [pytest.param("hook point", p.role, id=p.qualname) for p in vllm_compat.hook_points_of()]
+    hook_points = [pytest.param("hook point", p.qualname, id=p.qualname) for p in vllm_compat.hook_points_of()]
     internal = [pytest.param("internal", i.key, id=i.qualname) for i in internals.INTERNALS]
     return hook_points + internal
 
@@ -70,10 +70,10 @@ def take_away(monkeypatch):
     def take(kind: str, key: str) -> tuple[str, bool]:
         if kind == "hook point":
             table = list(vllm_compat.HOOK_POINTS)
-            [index] = [i for i, point in enumerate(table) if point.role == key][:1]
+            [index] = [i for i, point in enumerate(table) if point.qualname == key][:1]
             gone = table[index] = table[index]._replace(method=table[index].method + "_renamed")
             monkeypatch.setattr(vllm_compat, "HOOK_POINTS", tuple(table))
-            return gone.qualname, key in vllm_compat.CORE_ROLES
+            return gone.qualname, gone.role in vllm_compat.CORE_ROLES
         table = list(internals.INTERNALS)
         [index] = [i for i, internal in enumerate(table) if internal.key == key]
         gone = table[index] = table[index]._replace(name=table[index].name + "_renamed")

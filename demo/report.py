@@ -11,7 +11,7 @@ from pathlib import Path
 
 from otel_kvcache import names
 from otel_kvcache.otlp_json import kv_spans, latest_per_engine, metric_points
-from otel_kvcache.report.metric_digest import holder, holder_names
+from otel_kvcache.report.metric_digest import read_metrics
 
 TENANT = "tenant.id"
 """The baggage entry the main job's clients name their tenant by (``demo/load.py``)."""
@@ -128,26 +128,16 @@ class HoldersSummary:
 
 
 def holders_summary(metrics_path: Path, spans: list[dict]) -> HoldersSummary:
-    """Block-seconds and peak blocks held by attribution series; sessions' turn gaps."""
-    latest: dict[tuple, dict] = {}
-    for point in metric_points(metrics_path, names.OCCUPANCY):
-        key = (holder(point["attributes"]), point["attributes"].get(names.ENGINE_INDEX))
-        if key not in latest or point["time"] >= latest[key]["time"]:
-            latest[key] = point
-    seconds: dict[str, float] = {}
-    for (label, _), point in latest.items():
-        seconds[label] = seconds.get(label, 0.0) + point["value"]
-    peaks: dict[str, float] = {}
-    labelled_by = ""
-    for point in metric_points(metrics_path, names.HELD_BLOCKS):
-        labelled_by = labelled_by or holder_names(point["attributes"])
-        label = holder(point["attributes"])
-        peaks[label] = max(peaks.get(label, 0.0), point["value"])
+    """Block-seconds and peak blocks held by attribution series, as the report reads them
+    (``metric_digest``); sessions' turn gaps."""
+    digest = read_metrics(metrics_path)
+    seconds = digest.occupancy_totals()
+    peaks = {label: max(blocks for _, _, (_, blocks) in buckets) for label, buckets in digest.held.items()}
     returning = [s["attributes"] for s in spans if names.SESSION_TURN_GAP in s["attributes"]]
     return HoldersSummary(
         holders=[Holder(label, seconds.get(label, 0.0), peaks.get(label, 0.0))
                  for label in sorted(set(seconds) | set(peaks), key=lambda label: -seconds.get(label, 0.0))],
-        labelled_by=labelled_by,
+        labelled_by=digest.holder_names,
         returning=len(returning),
         kept=sum(1 for a in returning if not a.get(names.PREFIX_EVICTED_TOKENS)),
         gaps=sorted(a[names.SESSION_TURN_GAP] for a in returning),

@@ -44,8 +44,8 @@ from otel_kvcache.vllm_compat import (
     trace_headers_reader,
 )
 
-OVERFLOW = ("otel.metric.overflow",)
-"""The overflow series' key (no real key is a 1-tuple of that string: a key holds values)."""
+OVERFLOW = object()
+"""The overflow series' key: no key of values can equal it."""
 
 Key = tuple
 """The values of the attribution attributes, in ``config.attribution()``'s order (None: absent)."""
@@ -57,9 +57,6 @@ class SessionTable:
     def __init__(self, size: int) -> None:
         self.size = size
         self._released_ns: dict[int, int] = {}  # insertion order: least recently seen first
-
-    def __len__(self) -> int:
-        return len(self._released_ns)
 
     def turn_gap_ns(self, session_id: str, arrival_ns: int, released_ns: int) -> int:
         """The gap from the session's previous release here to this request's arrival, or

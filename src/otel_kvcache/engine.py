@@ -348,6 +348,7 @@ class EngineTelemetry:
             reported_id = self.reported_id(request_id)
             if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
                 tally[REQUEST_ID_LENGTH] = len(request_id)
+            reported_session = None if session_id is None else cut(session_id, self.value_limit)
             # Strings, bytes, and objects that exist already (vLLM's headers, our
             # attributes): what the exporter holds until its next flush adds no object
             # the garbage collector tracks (exporter_process.py).
@@ -363,8 +364,8 @@ class EngineTelemetry:
                     (
                         model,
                         priority,
-                        None if session_id is None else cut(session_id, self.value_limit),
-                        0 if session_id is None or len(session_id) <= self.value_limit else len(session_id),
+                        reported_session,
+                        0 if reported_session is session_id else len(session_id),  # cut: its length
                     ),
                 )
             )

@@ -94,7 +94,7 @@ def recover_trace_headers_wrapper(hook: str, errors: InstrumentationErrors):
     return wrapper
 
 
-def trace_context_carrier(baggage_keys: tuple[str, ...] = (), limit: int = 256) -> dict[str, str]:
+def trace_context_carrier(baggage_keys: tuple[str, ...], limit: int) -> dict[str, str]:
     """``traceparent`` / ``tracestate`` of the current span, else of the incoming request;
     ``baggage`` with the entries named ``baggage_keys``, from the current context, else
     from the incoming request."""

@@ -38,7 +38,7 @@ FIELDS = (
     "cold_tokens",
     "still_held",
     "request_id_length",  # a client's request id that was cut: its length (``bounds.py``), else 0
-    "occupancy_block_ns",  # blocks held, integrated over time: the admission periods closed so far
+    "occupancy_block_ns",  # blocks held, integrated over time: the stretches closed so far (``hold``)
     "turn_gap_ns",  # from the session's previous release here to this arrival; -1: none
     # The first admission and the release, as events: when, blocks, prefix-hit
     # tokens (admission), and the pool's free blocks then (its used ones are the

@@ -38,5 +38,5 @@ case "$VLLM_SPEC" in
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
     ;;
 esac
-"${pip[@]}" install -e ".[test,report]"
+"${pip[@]}" install -e ".[test,report,top]"
 echo "$want" > "$stamp"

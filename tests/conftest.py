@@ -59,6 +59,19 @@ class Telemetry:
         return {p.attributes[names.BLOCK_STATE]: p.value for p in self.points(names.BLOCKS)}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def top_snapshot_directory(tmp_path_factory):
+    """Every engine the tests make, in-process or served, publishes its live snapshot
+    here rather than in the user's own runtime directory."""
+    import os
+
+    directory = tmp_path_factory.mktemp("top")
+    directory.chmod(0o700)
+    os.environ[config.TOP_DIR] = str(directory)
+    yield directory
+    os.environ.pop(config.TOP_DIR, None)
+
+
 @pytest.fixture(autouse=True)
 def no_settings_warned_yet(monkeypatch):
     """Each test is a new vLLM instance: no bad setting has been warned about yet."""

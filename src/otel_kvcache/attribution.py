@@ -1,7 +1,7 @@
 """Who holds the KV cache: blocks and block-seconds by model or adapter, priority and
 tenant, and whether a session finds its context again at its next turn.
 
-One ``Attribution`` lives beside each engine's telemetry, used by two threads:
+One ``Attribution`` lives beside each engine's telemetry, used by three threads:
 
 - the engine thread, once per request at its release: the request's block-seconds
   (``tally.stretch_block_ns``) join its series' count, and a request of a session gets its turn
@@ -11,6 +11,8 @@ One ``Attribution`` lives beside each engine's telemetry, used by two threads:
   counts 1/k to each, so the series sum to the used blocks), and the live requests'
   block-seconds so far, so that a rate over a long request is right. That walks every
   held block once a collection, off the step path.
+- the live snapshot's thread (``live_snapshot.py``), at most once a second: the same
+  fair share by key, without the series limit, for ``otel-kvcache top``.
 
 **Series.** A request's series is the values of the attributes ``OTEL_KVCACHE_ATTRIBUTION``
 names (``gen_ai.request.model`` by default). At most ``OTEL_KVCACHE_ATTRIBUTION_LIMIT``
@@ -79,9 +81,12 @@ class Attribution:
         self.attribute_names = tuple(config.attribution())
         self.limit = config.attribution_limit()
         self.value_limit = value_limit
-        self.model_of = model_name_reader(served_model_name(scheduler.vllm_config))
+        self.served_model = served_model_name(scheduler.vllm_config)
+        self.model_of = model_name_reader(self.served_model)
         self.priority_of = priority_reader()
         self._trace_headers_of = trace_headers_reader()
+        self.baggage_keys = tuple(config.baggage_keys())
+        """Every baggage key carried to the engine (the span's; ``top`` shows them too)."""
         self._baggage_keys = tuple(n for n in self.attribute_names if n not in names.ATTRIBUTION_CHOICES)
         self._model_only = self.attribute_names == (names.MODEL,)
         self.sessions = SessionTable(config.session_table_size())
@@ -158,9 +163,11 @@ class Attribution:
             by_series[series] = by_series.get(series, 0.0) + value
         return by_series
 
-    def held_blocks(self, type_managers: Iterable[tuple[Any, bool]], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
-        """Blocks held now, by series: each request's blocks, each counted 1 / its
-        reference count (vLLM's ``ref_cnt``: how many block lists hold it)."""
+    def _held_by_key(
+        self, type_managers: Iterable[tuple[Any, bool]], requests: Mapping[str, Any]
+    ) -> tuple[dict[Key, float], dict[str, Key]]:
+        """Blocks held now, by key: each request's blocks, each counted 1 / its reference
+        count (vLLM's ``ref_cnt``: how many block lists hold it); and the keys by request id."""
         by_key: dict[Key, float] = {}
         seen: dict[str, Key] = {}
         for manager, may_hold_null in type_managers:
@@ -170,8 +177,25 @@ class Attribution:
                 share = fair_share(list(blocks), may_hold_null)
                 key = seen[request_id] = self._live_key(request_id, requests)
                 by_key[key] = by_key.get(key, 0.0) + share
+        return by_key, seen
+
+    def held_blocks(self, type_managers: Iterable[tuple[Any, bool]], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
+        """Blocks held now, by series."""
+        by_key, seen = self._held_by_key(type_managers, requests)
         self._live_keys = seen  # requests that hold no block are looked up again when they do
         return [(self.attributes_of(series), value) for series, value in self._by_series(by_key).items()]
+
+    def holders_now(self, type_managers: Iterable[tuple[Any, bool]], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
+        """Blocks held now by every key apart, largest first, as attribution attributes
+        (no engine's, no series limit: ``otel-kvcache top`` shows the largest)."""
+        by_key, _ = self._held_by_key(type_managers, requests)
+        return [
+            (self.named(key), blocks) for key, blocks in sorted(by_key.items(), key=lambda item: -item[1])
+        ]
+
+    def named(self, key: Key) -> dict[str, Any]:
+        """A key's attribution attributes by name, those without a value left out."""
+        return {name: value for name, value in zip(self.attribute_names, key) if value is not None}
 
     def occupancy_seconds(self, tallies: Mapping[str, array], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
         """Block-seconds by series: finished requests', and live ones' up to now."""

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from otel_kvcache.report import command as report
+from otel_kvcache.top import command as top
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     report.add_arguments(
         commands.add_parser("report", help="one HTML file: what the KV cache did, from OTLP JSON files")
     )
+    top.add_arguments(
+        commands.add_parser("top", help="the KV cache of every instrumented engine on this host, live (or a fleet's)")
+    )
     arguments = parser.parse_args(argv)
     if arguments.command == "doctor":
         from otel_kvcache.doctor import main as doctor
@@ -22,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         return doctor()
     if arguments.command == "report":
         return report.run(arguments)
+    if arguments.command == "top":
+        return top.run(arguments)
     return 2
 
 

@@ -78,6 +78,15 @@ ATTRIBUTION_LIMIT = "OTEL_KVCACHE_ATTRIBUTION_LIMIT"
 SESSION_TABLE_SIZE = "OTEL_KVCACHE_SESSION_TABLE_SIZE"
 """Sessions each engine remembers for their turn gaps, least recently seen first out (default 65536)."""
 
+TOP_SNAPSHOT = "OTEL_KVCACHE_TOP_SNAPSHOT"
+"""Each engine publishes a live snapshot for ``otel-kvcache top``: ``on`` (default) or ``off``."""
+TOP_SNAPSHOT_CHOICES = ("on", "off")
+TOP_DIR = "OTEL_KVCACHE_TOP_DIR"
+"""Where the live snapshots lie, an absolute path; ``auto`` (default): ``$XDG_RUNTIME_DIR/otel-kvcache``, else
+``/tmp/otel-kvcache-$UID``); made readable by its user only."""
+TOP_REQUESTS = "OTEL_KVCACHE_TOP_REQUESTS"
+"""Requests holding the most blocks each engine's snapshot lists (default 20)."""
+
 WARNED_SETTINGS = "OTEL_KVCACHE_WARNED_SETTINGS"
 """JSON list of ``VARIABLE=value`` already warned about in this vLLM instance."""
 
@@ -177,6 +186,25 @@ def session_table_size() -> int:
     return env_int(SESSION_TABLE_SIZE, 65536)
 
 
+def top_snapshot() -> str:
+    return env_choice(TOP_SNAPSHOT, TOP_SNAPSHOT_CHOICES)
+
+
+def top_dir() -> str | None:
+    """The configured snapshot directory, or None for ``auto`` (``top.snapshot_files``)."""
+    raw = os.environ.get(TOP_DIR, "").strip()
+    if raw.lower() in ("", "auto"):
+        return None
+    if not os.path.isabs(raw):
+        _warn_once(TOP_DIR, raw, "is not auto or an absolute path; using auto")
+        return None
+    return raw
+
+
+def top_requests() -> int:
+    return env_int(TOP_REQUESTS, 20)
+
+
 def check_all() -> None:
     """Reads every setting, warning (once per vLLM instance) about each bad one."""
     for read in (
@@ -195,6 +223,9 @@ def check_all() -> None:
         attribution,
         attribution_limit,
         session_table_size,
+        top_snapshot,
+        top_dir,
+        top_requests,
     ):
         read()
 

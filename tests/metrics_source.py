@@ -47,7 +47,8 @@ def main(port: int, seconds: float) -> None:
     while time.monotonic() < deadline:
         while len(engine.scheduler.requests) < 6:
             engine.add(engine.make_request(f"r{n}", prompt_len=40 + (n * 13) % 60, shared_prefix=32, max_tokens=60,
-                                           session_id=f"session-{n % 5}"))  # fmt: skip
+                                           session_id=f"session-{n % 5}",
+                                           trace_headers={"baggage": f"tenant=team-{'ab'[n % 2]}"}))  # fmt: skip
             n += 1
         engine.step()
         while len(transfers.harness.scheduler.requests) < 4:

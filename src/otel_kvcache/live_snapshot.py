@@ -206,15 +206,19 @@ class SnapshotPublisher:
         }  # fmt: skip
 
     def _requests(self, engine: EngineTelemetry, now: float) -> dict[str, Any]:
-        """The requests holding the most blocks, as ``requests``, and how many hold any."""
+        """The requests holding the most blocks, then the preempted ones (which hold none),
+        as ``requests``; and how many hold any."""
         holding: dict[str, int] = {}
         for manager, may_hold_null in engine.type_managers:
             for request_id, blocks in list(blocks_by_request(manager).items()):
                 held = real_blocks(blocks, may_hold_null) if blocks else 0
                 if held:
                     holding[request_id] = holding.get(request_id, 0) + held
+        holders = len(holding)
+        for request_id in list(engine.preempted_blocks):  # they wait to get blocks back
+            holding.setdefault(request_id, 0)
         largest = heapq.nlargest(self.top_requests, holding.items(), key=itemgetter(1))
-        return {"holding_requests": len(holding), "requests": [self._row(engine, *item, now) for item in largest]}
+        return {"holding_requests": holders, "requests": [self._row(engine, *item, now) for item in largest]}
 
     def _row(self, engine: EngineTelemetry, request_id: str, blocks: int, now: float) -> dict[str, Any]:
         request = engine.scheduler_requests.get(request_id)

@@ -19,6 +19,7 @@ class TopApp(App):
 
     TITLE = "otel-kvcache top"
     CSS = """
+    #frame { width: 1fr; height: auto; }
     #filter { dock: bottom; display: none; }
     #filter.editing { display: block; }
     """

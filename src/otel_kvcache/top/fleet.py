@@ -22,7 +22,12 @@ STATE_LABEL = "vllm_kv_cache_block_state"
 MODEL_LABEL = "gen_ai_request_model"
 SCALE_LABEL = "vllm_kv_cache_pool_scale"
 SERIES_LABELS = ("__name__", STATE_LABEL, SCALE_LABEL)
-"""Labels that tell one engine's series apart, not one engine from another."""
+"""Labels that tell one engine's series apart, not one engine from another (with the
+instrumentation scope's, ``otel_scope_*``, that exporters add)."""
+
+
+def _of_a_series(label: str) -> bool:
+    return label in SERIES_LABELS or label.startswith("otel_scope_")
 
 # The Python Prometheus exporter keeps a unit's symbol (`_s_total`), a collector's
 # exporter spells it out (`_seconds_total`): a name that has a unit is matched either way.
@@ -68,7 +73,7 @@ def read_fleet(url: str) -> list[Published]:
     (no requests; fresh, since Prometheus keeps only what it scraped)."""
     answers = {name: query(url, promql) for name, promql in QUERIES.items()}
     # The labels that name an engine: those of its pool series, less the block state.
-    engine_labels = {k for sample in answers["blocks"] for k in sample["metric"]} - set(SERIES_LABELS)
+    engine_labels = {k for sample in answers["blocks"] for k in sample["metric"] if not _of_a_series(k)}
 
     def engine_key(labels: dict[str, str]) -> tuple[tuple[str, str], ...]:
         return tuple(sorted((k, v) for k, v in labels.items() if k in engine_labels))
@@ -102,7 +107,7 @@ def read_fleet(url: str) -> list[Published]:
     for engine, _, value in each("preemption_free_scale"):
         engine["whatif"]["preemption_free_scale"] = value
     for engine, labels, value in each("held"):
-        attributes = {k: v for k, v in labels.items() if k not in engine_labels and k not in SERIES_LABELS}
+        attributes = {k: v for k, v in labels.items() if k not in engine_labels and not _of_a_series(k)}
         engine["holders"].append({"attributes": attributes, "blocks": value})
     for engine in engines.values():
         engine["last_minute"] = _last_minute(rates.get(id(engine), {}))
@@ -113,7 +118,7 @@ def read_fleet(url: str) -> list[Published]:
 
 
 def _blank(labels: dict[str, str]) -> dict[str, Any]:
-    replica = {k: v for k, v in labels.items() if k not in SERIES_LABELS and k != ENGINE_LABEL}
+    replica = {k: v for k, v in labels.items() if not _of_a_series(k) and k != ENGINE_LABEL}
     return {
         "replica": replica,
         "engine": int(labels.get(ENGINE_LABEL, 0)),

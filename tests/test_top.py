@@ -1,0 +1,144 @@
+"""``otel-kvcache top`` on the real scheduler: each engine's snapshot, read back through
+the command's ``--json``, against vLLM's own pool, block lists, requests and connector."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from engine_harness import EngineHarness, KVTransfers, nixl_both
+from harness.scheduler import make_scheduler
+from otel_kvcache import VLLMKVCacheInstrumentor, config, live_snapshot, names
+from otel_kvcache.cli import main as cli
+from otel_kvcache.top import snapshot_files
+
+TENANT = "tenant"
+TOP_REQUESTS = 6
+
+
+@pytest.fixture
+def publisher(monkeypatch, request):
+    """The instrumentor's snapshot publisher, its own thread put to sleep: the test publishes."""
+    monkeypatch.setattr(live_snapshot, "PUBLISH_SECONDS", 3600.0)
+    monkeypatch.setenv(config.TOP_REQUESTS, str(TOP_REQUESTS))
+    monkeypatch.setenv(config.BAGGAGE_KEYS, TENANT)
+    request.getfixturevalue("telemetry")  # instruments
+    return VLLMKVCacheInstrumentor()._publisher
+
+
+def top_json(capsys) -> dict:
+    capsys.readouterr()
+    assert cli(["top", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def engine_frame(capsys) -> dict:
+    (engine,) = [e for e in top_json(capsys)["engines"] if e["pid"] == os.getpid()]
+    assert not engine["stale"]
+    return engine
+
+
+def vllm_state(request) -> str:
+    status = request.status
+    if status == RequestStatus.RUNNING:
+        return names.LIVE_STATE_RUNNING
+    if status == RequestStatus.PREEMPTED:
+        return names.LIVE_STATE_PREEMPTED
+    if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        return names.LIVE_STATE_WAITING_FOR_REMOTE_KV
+    if request.is_finished():
+        return names.LIVE_STATE_HELD_FOR_SEND  # a finished request still in the scheduler, within its grace
+    return names.LIVE_STATE_WAITING
+
+
+def test_the_snapshot_is_vllms_pool_and_the_requests_holding_the_most(model_config, publisher, capsys):
+    harness = EngineHarness(make_scheduler(model_config, num_blocks=40))  # 39 usable: preemptions
+    for k in range(10):
+        harness.add(harness.make_request(
+            f"chat-{k}", prompt_len=40 + 23 * k, shared_prefix=32, max_tokens=60 + 10 * k, session_id=f"s{k % 3}",
+            trace_headers={"baggage": f"{TENANT}=team-{'ab'[k % 2]},note=left%20out"}))  # fmt: skip
+    pool = harness.scheduler.kv_cache_manager.block_pool
+    publisher.publish()
+    preempted_before = sum(r.num_preemptions for r in harness.requests.values())
+    checked = preempted_rows = 0
+    while harness.scheduler.has_requests():
+        harness.step()
+        publisher.publish()
+        frame = engine_frame(capsys)
+
+        # The pool, as a scan of vLLM's blocks finds it.
+        assert {k: frame["pool"][k] for k in ("used", "cached", "free")} == harness.pool_scan()
+        assert frame["pool"]["limit"] == pool.num_gpu_blocks - 1
+        assert frame["pool"]["free"] + frame["pool"]["cached"] == pool.get_num_free_blocks()
+        # The requests holding the most blocks, as vLLM's block lists hold them.
+        held = {rid: harness.held_blocks(rid) for rid in harness.scheduler.requests}
+        waiting = {rid for rid, r in harness.scheduler.requests.items() if r.status == RequestStatus.PREEMPTED}
+        assert frame["holding_requests"] == len([rid for rid, blocks in held.items() if blocks])
+        # Those holding the most, then the preempted (they hold none, and wait for some).
+        held = {rid: blocks for rid, blocks in held.items() if blocks or rid in waiting}
+        assert sorted((r["blocks"] for r in frame["requests"]), reverse=True) == sorted(held.values(), reverse=True)[:TOP_REQUESTS]
+        for row in frame["requests"]:
+            request = harness.scheduler.requests[row["id"]]
+            assert row["blocks"] == held[row["id"]]
+            assert row["state"] == vllm_state(request)
+            assert row["preemptions"] == request.num_preemptions
+            assert row["session"] == request.session_id
+            assert row["baggage"] == {TENANT: request.trace_headers["baggage"].split(",")[0].split("=")[1]}
+            assert row["model"] == frame["model"]
+            preempted_rows += row["state"] == names.LIVE_STATE_PREEMPTED
+        # Holders: each block shared by k requests counts 1/k, so they add up to the used blocks.
+        assert sum(h["blocks"] for h in frame["holders"]) + frame["holders_other"] == pytest.approx(frame["pool"]["used"])
+        # Rates over the window: the preemptions vLLM counted since the first snapshot.
+        minute = frame["last_minute"]
+        preempted = sum(r.num_preemptions for r in harness.requests.values()) - preempted_before
+        assert minute["preemptions_per_s"] * minute["seconds"] == pytest.approx(preempted)
+        checked += 1
+    assert preempted > 0 and preempted_rows > 0 and checked > 50
+    frame = engine_frame(capsys)
+    assert frame["requests"] == [] and frame["pool"]["used"] == 0
+
+
+def test_connector_states_are_vllms(model_config, publisher, capsys):
+    transfers = KVTransfers(EngineHarness(make_scheduler(model_config, num_blocks=48, kv_transfer_config=nixl_both())))
+    for _ in range(6):
+        transfers.add()
+    seen = set()
+    while transfers.harness.scheduler.has_requests():
+        transfers.step()
+        publisher.publish()
+        for row in engine_frame(capsys)["requests"]:
+            request = transfers.harness.scheduler.requests[row["id"]]
+            assert row["state"] == vllm_state(request)
+            assert row["blocks"] == transfers.harness.held_blocks(row["id"])
+            seen.add(row["state"])
+    assert {names.LIVE_STATE_WAITING_FOR_REMOTE_KV, names.LIVE_STATE_HELD_FOR_SEND} <= seen
+
+
+def test_the_snapshots_are_this_users_only_and_go_with_their_engine(model_config, publisher, top_snapshot_directory):
+    harness = EngineHarness(make_scheduler(model_config, num_blocks=16))
+    publisher.publish()
+    (path,) = [p for p in top_snapshot_directory.glob("engine-*.json") if f"-{os.getpid()}-" in p.name]
+    assert stat.S_IMODE(top_snapshot_directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_uid == os.getuid()
+    del harness
+    import gc
+
+    gc.collect()
+    assert not path.exists()
+
+
+def test_a_directory_others_can_open_is_refused(tmp_path, monkeypatch, caplog):
+    open_to_all = tmp_path / "top"
+    open_to_all.mkdir(mode=0o755)
+    open_to_all.chmod(0o755)
+    monkeypatch.setenv(config.TOP_DIR, str(open_to_all))
+    (open_to_all / "engine-1-0.json").write_text(json.dumps({"format": snapshot_files.FORMAT}))
+    with pytest.raises(snapshot_files.UnsafeDirectory, match="open to other users"):
+        snapshot_files.private_directory(open_to_all, create=True)
+    assert snapshot_files.read_snapshots() == []
+    assert "unsafe directory" in caplog.text

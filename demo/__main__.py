@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -43,8 +44,10 @@ from demo.server import (
     requests_ended_on_their_own,
 )
 from demo.tiny_model import make_tiny_model
+from demo.top_frame import BusiestFrame
 from otel_kvcache import config, gate, names
 from otel_kvcache.report.build import write as write_report
+from otel_kvcache.top.frame import View, render
 
 SERVED_MODEL_NAME = "tiny-llama"
 ATTRIBUTION_SETTINGS = {
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.note(f"{EXCLUDE_ASGI_SPANS}={server.environment()[EXCLUDE_ASGI_SPANS]}")
         for variable, value in ATTRIBUTION_SETTINGS.items():
             progress.note(f"{variable}={value}")
-        with progress.step("running the load through the OpenAI API"):
+        with progress.step("running the load through the OpenAI API"), BusiestFrame(SERVED_MODEL_NAME) as top:
             sent = asyncio.run(run_load(server.url, server.config.model_name, shape, progress=progress.note))
         # vLLM's own view, to read the table against: which requests its engine ended.
         time.sleep(1)  # the API server's stats trail the last responses
@@ -154,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.note(f"{len(sent)} requests sent; spans and metrics went to {collector}")
         return 0
 
+    if top.frame is not None:  # the engine's own live snapshot, as `otel-kvcache top` reads it
+        (args.out / "top.json").write_text(json.dumps(top.frame, indent=2))
+        print("otel-kvcache top --once, at the busiest moment of the load:")
+        Console(width=120, highlight=False).print(render(top.frame, View()))
+        print()
     otlp = args.out / "otlp"
     spans = kv_spans(otlp / "traces.jsonl")
     scenario_by_trace = {s.trace_id: s.scenario for s in sent}

@@ -176,3 +176,26 @@ def test_readme_command_1_report_draws_in_headless_chromium(main_job):
     charts = {"pool", "holders", "timeline", "session_gaps", "distributions"}
     shares = open_and_check(out / "report.html", charts, frozenset({"whatif"}))
     assert all(share > 0.005 for share in shares.values()), shares
+
+
+def test_readme_command_1_prints_a_top_frame_of_live_requests_the_spans_confirm(main_job):
+    """The frame ``otel-kvcache top`` read at the load's busiest moment: its requests were
+    live requests of the engine, holding what their spans later say they held at most."""
+    result, out = main_job
+    frame = json.loads((out / "top.json").read_text())
+    spans = _spans_in(out / "otlp" / "traces.jsonl")
+    (engine,) = frame["engines"]
+    pool = engine["pool"]
+    assert pool["limit"] == 63 and pool["used"] + pool["cached"] + pool["free"] == pool["limit"]
+    assert engine["model"] == "tiny-llama" and engine["requests"]
+    for row in engine["requests"]:
+        span = spans[row["id"]]
+        assert 0 <= row["blocks"] <= span["vllm.kv_cache.blocks.peak"]
+        assert row["preemptions"] <= span["vllm.kv_cache.preemptions"]
+        assert row["state"] in ("running", "preempted", "waiting")
+        assert row["model"] == span["gen_ai.request.model"]
+        assert row["session"] == span.get("session.id")
+        assert row["baggage"].get("tenant.id") == span.get("tenant.id")
+    printed = result.stdout.split("otel-kvcache top --once, at the busiest moment of the load:", 1)[1]
+    assert f"used {pool['used']}  cached {pool['cached']}  free {pool['free']}  of 63 blocks" in printed
+    assert all(row["id"][:20] in printed for row in engine["requests"])

@@ -8,8 +8,12 @@ response's ``usage`` block and the server's Prometheus ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -243,6 +247,65 @@ def test_growing_chats_on_a_small_pool_report_vllms_preemptions(server, sink):
         preempted_events = [e for _, s in spans if s.trace_id.hex() == request.trace_id
                             for e in s.events if e.name == names.EVENT_PREEMPTED]
         assert len(preempted_events) == attrs[names.PREEMPTIONS]
+
+
+def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink):
+    """``otel-kvcache top --json`` during a load: each frame's pool is vLLM's own
+    ``vllm:kv_cache_usage_perc`` within a second of the snapshot (the API server's copy
+    of the engine's number trails it by a step), and the requests it lists are this
+    engine's, as their spans confirm afterwards."""
+    usage: list[tuple[float, float]] = []  # (time, vLLM's KV usage)
+    done = threading.Event()
+
+    def scrape():
+        while not done.is_set():
+            before = time.time()
+            value = prometheus_value(server.metrics_text(), "vllm:kv_cache_usage_perc")
+            usage.append(((before + time.time()) / 2, value))
+            time.sleep(0.05)
+
+    async def chats():
+        client = LoadClient(server.url, str(server.config.model))
+        together = asyncio.Barrier(8)
+        try:
+            await asyncio.gather(*(growing_chat(client, i, 3, 96, together) for i in range(8)))
+        finally:
+            await client.close()
+        return client.sent
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        load = pool.submit(asyncio.run, chats())
+        frames = []
+        while not load.done():
+            frames.append(json.loads(subprocess.run(
+                [sys.executable, "-m", "otel_kvcache.cli", "top", "--json"],
+                capture_output=True, text=True, check=True, timeout=60).stdout))  # fmt: skip
+            time.sleep(0.3)
+        sent = load.result()
+    time.sleep(1.5)
+    done.set()
+    scraper.join()
+    engines = [e for frame in frames for e in frame["engines"] if e["model"] == str(server.config.model)]
+    busy = [e for e in engines if e["pool"]["used"] and not e["stale"]]
+    assert len(busy) >= 3, f"{len(busy)} frames caught the engine busy"
+    for engine in busy:
+        pool = engine["pool"]
+        assert pool["used"] + pool["cached"] + pool["free"] == pool["limit"] == 63
+        around = [value for at, value in usage if abs(at - engine["time"]) <= 1.0]
+        assert around and min(around) - 1e-9 <= pool["used"] / pool["limit"] <= max(around) + 1e-9
+    spans = wait_for(lambda: len(kv_spans(sink, [s.trace_id for s in sent])) == len(sent)
+                     and kv_spans(sink, [s.trace_id for s in sent]))  # fmt: skip
+    by_id = {span_attributes(span)[names.REQUEST_ID]: span_attributes(span) for _, span in spans}
+    rows = [row for engine in busy for row in engine["requests"]]
+    assert rows
+    for row in rows:
+        attributes = by_id[row["id"]]  # a request of this load, on this engine
+        assert row["blocks"] <= attributes[names.BLOCKS_PEAK]
+        assert row["preemptions"] <= attributes[names.PREEMPTIONS]
+        assert row["session"] == attributes[names.SESSION_ID]
+        assert row["baggage"][TENANT] == attributes[TENANT]
 
 
 def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, sink):

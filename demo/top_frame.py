@@ -1,0 +1,39 @@
+"""``otel-kvcache top`` during the main job's load: the frame at its busiest moment."""
+
+from __future__ import annotations
+
+import threading
+
+from otel_kvcache.top.frame import json_frame
+from otel_kvcache.top.snapshot_files import read_snapshots
+
+
+class BusiestFrame:
+    """Reads the live snapshots twice a second, as ``otel-kvcache top`` does, and keeps the
+    frame in which the served model's engines held the most blocks."""
+
+    def __init__(self, model: str, every: float = 0.5) -> None:
+        self.model = model
+        self.every = every
+        self.frame: dict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="busiest-top-frame", daemon=True)
+
+    def __enter__(self) -> BusiestFrame:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every):
+            frame = json_frame(read_snapshots(), [], "snapshots")
+            frame["engines"] = [e for e in frame["engines"] if e.get("model") == self.model and not e["stale"]]
+            if frame["engines"] and used(frame) > (used(self.frame) if self.frame else -1):
+                self.frame = frame
+
+
+def used(frame: dict) -> int:
+    return sum(engine["pool"]["used"] for engine in frame["engines"])

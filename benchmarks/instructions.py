@@ -24,7 +24,8 @@ own last level, and the overhead is given in valgrind's estimate of cycles
 (``estimated_cycles``) as well: still deterministic, still only a model.
 
 Timers in the instrumentation run on wall time, which valgrind stretches about
-50-fold: the metric reader's interval is stretched alike, and the leak
+50-fold: the metric reader's interval and the live snapshot's (``otel-kvcache top``)
+are stretched alike, and the leak
 reconciliation (one pass per 5 s of wall time, costed separately by
 ``benchmarks.overhead``) is left out.
 """
@@ -55,7 +56,9 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
 
     os.environ["OTEL_KVCACHE_RECONCILE_SECONDS"] = str(10**9)
     if variant == "otel":
-        from otel_kvcache import exporter_process
+        from otel_kvcache import exporter_process, live_snapshot
+
+        live_snapshot.PUBLISH_SECONDS *= VALGRIND_SLOWDOWN  # the snapshot for `top`, once a second unstretched
 
         # Wall-clock-driven work as often per step as outside valgrind, which runs it
         # about 50 times slower: the metric reader's collections, the hand-over to the helper.

@@ -27,6 +27,7 @@ def publisher(monkeypatch, request):
     monkeypatch.setenv(config.TOP_REQUESTS, str(TOP_REQUESTS))
     monkeypatch.setenv(config.BAGGAGE_KEYS, TENANT)
     request.getfixturevalue("telemetry")  # instruments
+    snapshot_files.read_snapshots()  # a reader is watching: the engines publish in full
     return VLLMKVCacheInstrumentor()._publisher
 
 
@@ -130,6 +131,22 @@ def test_the_snapshots_are_this_users_only_and_go_with_their_engine(model_config
 
     gc.collect()
     assert not path.exists()
+
+
+def test_unwatched_an_engine_publishes_no_holders_nor_requests(model_config, publisher, top_snapshot_directory, capsys):
+    harness = EngineHarness(make_scheduler(model_config, num_blocks=16))
+    harness.add(harness.make_request("alone", prompt_len=40, max_tokens=20))
+    harness.step()
+    os.utime(top_snapshot_directory / snapshot_files.WATCHING, (0, 0))  # nobody has read for ages
+    publisher.publish()
+    (path,) = [p for p in top_snapshot_directory.glob("engine-*.json") if f"-{os.getpid()}-" in p.name]
+    unwatched = json.loads(path.read_text())
+    assert not unwatched["detailed"] and unwatched["requests"] == [] and unwatched["holders"] == []
+    assert unwatched["pool"]["used"] == harness.pool_scan()["used"] > 0
+    snapshot_files.read_snapshots()  # top reads: from the next round on, in full
+    publisher.publish()
+    frame = engine_frame(capsys)
+    assert frame["detailed"] and [(r["id"], r["blocks"]) for r in frame["requests"]] == [("alone", harness.held_blocks("alone"))]
 
 
 def test_a_directory_others_can_open_is_refused(tmp_path, monkeypatch, caplog):

@@ -7,6 +7,10 @@ next waits at least t / ``BUDGET``, so a huge pool is published less often rathe
 at a greater cost. Under the GIL, the thread's time is time the engine thread may wait
 for it: measured in benchmarks/RESULTS.md ("The live snapshot").
 
+Its costly part, the holders' fair share over every held block and the requests holding
+the most, is published only while ``otel-kvcache top`` is watching (``snapshot_files``):
+nobody watching, a round reads a few counters and writes a small file.
+
 It never runs on the engine thread, and reads what the metric reader's thread reads:
 the tracker's counts, the engine's cumulative counters, the reconciler's last findings,
 and vLLM's block lists and requests (copied with one C call before walking them). It
@@ -38,6 +42,7 @@ from otel_kvcache.top.snapshot_files import (
     candidate_directories,
     private_directory,
     snapshot_path,
+    watched,
     write_snapshot,
 )
 from otel_kvcache.vllm_compat import (
@@ -109,7 +114,7 @@ class SnapshotPublisher:
         if self._readers is None:
             self._readers = (live_states_by_status(), session_id_reader(), arrival_time_reader())
         path = snapshot_path(directory, os.getpid(), engine.attributes[names.ENGINE_INDEX])
-        weakref.finalize(engine, _remove, path)  # with the engine, or at the process's exit
+        weakref.finalize(engine, _remove, path, os.getpid())  # with the engine, or at the process's exit
         with self._lock:
             self._engines[engine] = (path, RateWindow())
             if self._thread is None or self._thread_pid != os.getpid():  # none yet, or forked
@@ -123,7 +128,7 @@ class SnapshotPublisher:
         self._stop.set()
         with self._lock:
             for path, _ in list(self._engines.values()):
-                _remove(path)
+                _remove(path, os.getpid())
             self._engines.clear()
 
     def _run(self) -> None:
@@ -135,15 +140,19 @@ class SnapshotPublisher:
         started = time.perf_counter()
         with self._lock:
             engines = list(self._engines.items())
+        detailed: dict[Path, bool] = {}
         for engine, (path, rates) in engines:
             try:
-                write_snapshot(path, self.snapshot_of(engine, rates))
+                if path.parent not in detailed:
+                    detailed[path.parent] = watched(path.parent, time.time())
+                write_snapshot(path, self.snapshot_of(engine, rates, detailed[path.parent]))
             except Exception as exc:  # noqa: BLE001 - ours: counted, and the next round tries again
                 self.errors.count(HOOK, exc)
         self.interval = max(PUBLISH_SECONDS, (time.perf_counter() - started) / BUDGET)
 
-    def snapshot_of(self, engine: EngineTelemetry, rates: RateWindow) -> dict[str, Any]:
-        """The engine now, in the format ``docs/top.md`` describes."""
+    def snapshot_of(self, engine: EngineTelemetry, rates: RateWindow, detailed: bool = True) -> dict[str, Any]:
+        """The engine now, in the format ``docs/top.md`` describes; its holders and
+        requests (a walk over every held block) only if ``detailed``: while someone watches."""
         now = time.time()
         pool = engine.pool
         seconds, (queries, hits, preemptions, evictions, stalls, evicted_age) = rates.add(
@@ -159,7 +168,7 @@ class SnapshotPublisher:
         )
         state = engine.snapshot
         report = engine.reconciler.report
-        holders = engine.attribution.holders_now(engine.type_managers, engine.scheduler_requests)
+        holders = engine.attribution.holders_now(engine.type_managers, engine.scheduler_requests) if detailed else []
         shown = holders[: self.top_requests]
         connectors = engine.connectors
         return {
@@ -202,7 +211,8 @@ class SnapshotPublisher:
             },
             "holders": [{"attributes": attributes, "blocks": blocks} for attributes, blocks in shown],
             "holders_other": sum(blocks for _, blocks in holders[len(shown):]),
-            **self._requests(engine, now),
+            "detailed": detailed,
+            **(self._requests(engine, now) if detailed else {"holding_requests": None, "requests": []}),
         }  # fmt: skip
 
     def _requests(self, engine: EngineTelemetry, now: float) -> dict[str, Any]:
@@ -247,7 +257,11 @@ class SnapshotPublisher:
         }
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path, owner: int) -> None:
+    """Deletes an engine's snapshot, in the process that wrote it only (a forked child
+    inherits the finalizer, not the engine)."""
+    if os.getpid() != owner:
+        return
     try:
         path.unlink(missing_ok=True)
     except OSError:

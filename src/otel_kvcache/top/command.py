@@ -6,11 +6,12 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from otel_kvcache.top.frame import SORT_KEYS, View, device_readings, json_frame, render
-from otel_kvcache.top.snapshot_files import FORGET_AFTER_SECONDS, read_snapshots
+from otel_kvcache.top.snapshot_files import FORGET_AFTER_SECONDS, Published, read_snapshots
 
 TEXTUAL_MISSING = (
     "otel-kvcache top: the live view needs Textual: pip install 'otel-kvcache[top]' "
@@ -43,7 +44,19 @@ def frame_reader(arguments: argparse.Namespace) -> Callable[[], dict[str, Any]]:
     from otel_kvcache.gpu.nvml import NVMLSource
 
     nvml = NVMLSource()
-    return lambda: json_frame(read_snapshots(arguments.forget_after), device_readings(nvml), "snapshots")
+    return lambda: json_frame(read_detailed(arguments.forget_after), device_readings(nvml), "snapshots")
+
+
+def read_detailed(forget_after: float, patience: float = 5.0) -> list[Published]:
+    """The snapshots, once every live engine has published its holders and requests:
+    they do only while a reader watches, which this read has just told them."""
+    deadline = time.monotonic() + patience
+    while True:
+        published = read_snapshots(forget_after)
+        waiting = [p for p in published if not p.stale and not p.snapshot.get("detailed", True)]
+        if not waiting or time.monotonic() > deadline:
+            return published
+        time.sleep(0.1)
 
 
 def run(arguments: argparse.Namespace) -> int:

@@ -126,8 +126,11 @@ def _engine(engine: dict[str, Any], devices: list[dict[str, Any]], view: View) -
     whatif = _whatif_line(engine.get("whatif"))
     if whatif is not None:
         lines.append(whatif)
+    if not engine.get("detailed", True):
+        lines.append(Text("  holders and requests: published while top watches, within a second or two", style="dim"))
+        return lines
     lines.append(_holders_line(engine.get("holders", []), engine.get("holders_other", 0.0), view))
-    if engine.get("requests") is not None and "replica" not in engine:
+    if "replica" not in engine:
         lines.append(_requests_table(engine, view))
     return lines
 

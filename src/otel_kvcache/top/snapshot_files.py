@@ -9,7 +9,9 @@ without the session's ``XDG_RUNTIME_DIR``. A directory that is another user's, a
 open to others is refused: nothing is written there, nor read.
 
 A snapshot is replaced whole (written beside, then renamed over), so a reader never
-sees half of one. An engine that stopped publishing leaves its last snapshot behind: the
+sees half of one. Its holders and requests, the costly part, are written only while a
+reader is watching: each read touches ``watching`` in the directory, and the engines
+publish in full for ``WATCHED_SECONDS`` after (``detailed`` in the snapshot). An engine that stopped publishing leaves its last snapshot behind: the
 reader shows it as stale, and deletes it once its process is gone and it is older than
 ``forget_after``. A process that is alive but silent stays on show, stale: that is a
 finding (an engine thread stuck), not a leftover.
@@ -40,6 +42,10 @@ STALE_AFTER_SECONDS = 5.0
 """A snapshot older than this, or than three of its engine's intervals, is stale."""
 FORGET_AFTER_SECONDS = 60.0
 """A stale snapshot whose process is gone is deleted once it is this old."""
+WATCHING = "watching"
+"""The file a reader touches at each read: while it is fresh, the engines publish in full."""
+WATCHED_SECONDS = 10.0
+"""How long after a reader's last touch the engines still publish in full."""
 
 
 class UnsafeDirectory(Exception):
@@ -78,6 +84,14 @@ def private_directory(path: Path, create: bool) -> Path | None:
     if status.st_mode & 0o077:
         raise UnsafeDirectory(f"{path} is open to other users (mode {stat.S_IMODE(status.st_mode):o}, not 700)")
     return path
+
+
+def watched(directory: Path, now: float) -> bool:
+    """Whether a reader touched ``directory`` within ``WATCHED_SECONDS``."""
+    try:
+        return now - (directory / WATCHING).stat().st_mtime < WATCHED_SECONDS
+    except OSError:
+        return False
 
 
 def snapshot_path(directory: Path, pid: int, engine_index: int) -> Path:
@@ -132,6 +146,9 @@ def read_snapshots(forget_after: float = FORGET_AFTER_SECONDS, now: float | None
             continue
         if directory is None:
             continue
+        watching = directory / WATCHING
+        watching.touch(mode=0o600)
+        os.utime(watching)  # the engines publish their holders and requests while this is fresh
         for path in sorted(directory.glob(".engine-*.tmp")):  # a writer killed mid-write
             _forget_if_old(path, now, forget_after)
         for path in sorted(directory.glob("engine-*.json")):

@@ -10,7 +10,7 @@ from otel_kvcache.top.snapshot_files import read_snapshots
 
 class BusiestFrame:
     """Reads the live snapshots twice a second, as ``otel-kvcache top`` does, and keeps the
-    frame in which the served model's engines held the most blocks."""
+    frame in which the most requests of the served model held blocks (then the most blocks)."""
 
     def __init__(self, model: str, every: float = 0.5) -> None:
         self.model = model
@@ -31,9 +31,11 @@ class BusiestFrame:
         while not self._stop.wait(self.every):
             frame = json_frame(read_snapshots(), [], "snapshots")
             frame["engines"] = [e for e in frame["engines"] if e.get("model") == self.model and not e["stale"]]
-            if frame["engines"] and used(frame) > (used(self.frame) if self.frame else -1):
+            if frame["engines"] and busy(frame) > (busy(self.frame) if self.frame else (-1, -1)):
                 self.frame = frame
 
 
-def used(frame: dict) -> int:
-    return sum(engine["pool"]["used"] for engine in frame["engines"])
+def busy(frame: dict) -> tuple[int, int]:
+    """Requests holding blocks, then blocks used."""
+    engines = frame["engines"]
+    return sum(e["holding_requests"] or 0 for e in engines), sum(e["pool"]["used"] for e in engines)

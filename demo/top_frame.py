@@ -12,7 +12,7 @@ class BusiestFrame:
     """Reads the live snapshots twice a second, as ``otel-kvcache top`` does, and keeps the
     frame in which the most requests of the served model held blocks (then the most blocks)."""
 
-    def __init__(self, model: str, every: float = 0.5) -> None:
+    def __init__(self, model: str, every: float = 0.2) -> None:
         self.model = model
         self.every = every
         self.frame: dict | None = None
@@ -30,7 +30,9 @@ class BusiestFrame:
     def _watch(self) -> None:
         while not self._stop.wait(self.every):
             frame = json_frame(read_snapshots(), [], "snapshots")
-            frame["engines"] = [e for e in frame["engines"] if e.get("model") == self.model and not e["stale"]]
+            frame["engines"] = [
+                e for e in frame["engines"] if e.get("model") == self.model and not e["stale"] and e.get("detailed")
+            ]
             if frame["engines"] and busy(frame) > (busy(self.frame) if self.frame else (-1, -1)):
                 self.frame = frame
 

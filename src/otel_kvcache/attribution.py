@@ -87,7 +87,7 @@ class Attribution:
         self._trace_headers_of = trace_headers_reader()
         self.baggage_keys = tuple(config.baggage_keys())
         """Every baggage key carried to the engine (the span's; ``top`` shows them too)."""
-        self._baggage_keys = tuple(n for n in self.attribute_names if n not in names.ATTRIBUTION_CHOICES)
+        self._series_baggage_keys = tuple(n for n in self.attribute_names if n not in names.ATTRIBUTION_CHOICES)
         self._model_only = self.attribute_names == (names.MODEL,)
         self.sessions = SessionTable(config.session_table_size())
         self._engine_attributes = dict(engine_attributes)
@@ -112,8 +112,8 @@ class Attribution:
         if self._model_only:
             return (model,)
         baggage = (
-            baggage_entries(self._trace_headers_of(request), self._baggage_keys, self.value_limit)
-            if self._baggage_keys
+            baggage_entries(self._trace_headers_of(request), self._series_baggage_keys, self.value_limit)
+            if self._series_baggage_keys
             else {}
         )
         known = {names.MODEL: model, names.PRIORITY: priority}

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from otel_kvcache import config, names
 from otel_kvcache.export import Finding, event_attributes, log_in_trace
 from otel_kvcache.tally import PROGRESS_STEP, PROGRESS_TOKENS
-from otel_kvcache.vllm_compat import blocks_by_request, deferred_frees, real_blocks, running_status
+from otel_kvcache.vllm_compat import blocks_held_by_request, deferred_frees, real_blocks, running_status
 
 if TYPE_CHECKING:
     from otel_kvcache.engine import EngineTelemetry
@@ -105,16 +105,8 @@ class Reconciler:
     def _holdings(self) -> tuple[dict[str, int], int]:
         """Blocks held per request id, as vLLM's KV managers list them, and the block
         references that requests and deferred frees account for."""
-        holding: dict[str, int] = {}
-        accounted = 0
-        for manager, with_null_blocks in self.engine.type_managers:
-            for request_id, blocks in blocks_by_request(manager).items():
-                held = real_blocks(blocks, with_null_blocks)
-                if held:
-                    accounted += held
-                    holding[request_id] = holding.get(request_id, 0) + held
-        for _, blocks in self._deferred_frees:
-            accounted += real_blocks(blocks)
+        holding = blocks_held_by_request(self.engine.type_managers)
+        accounted = sum(holding.values()) + sum(real_blocks(blocks) for _, blocks in self._deferred_frees)
         return holding, accounted
 
     def zombie_ids(self) -> set[str]:

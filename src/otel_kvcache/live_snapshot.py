@@ -47,9 +47,8 @@ from otel_kvcache.top.snapshot_files import (
 )
 from otel_kvcache.vllm_compat import (
     arrival_time_reader,
-    blocks_by_request,
+    blocks_held_by_request,
     live_states_by_status,
-    real_blocks,
     session_id_reader,
 )
 from otel_kvcache.vllm_compat.versions import installed_vllm_version
@@ -218,19 +217,15 @@ class SnapshotPublisher:
     def _requests(self, engine: EngineTelemetry, now: float) -> dict[str, Any]:
         """The requests holding the most blocks, then the preempted ones (which hold none),
         as ``requests``; and how many hold any."""
-        holding: dict[str, int] = {}
-        for manager, may_hold_null in engine.type_managers:
-            for request_id, blocks in list(blocks_by_request(manager).items()):
-                held = real_blocks(blocks, may_hold_null) if blocks else 0
-                if held:
-                    holding[request_id] = holding.get(request_id, 0) + held
+        holding = blocks_held_by_request(engine.type_managers)
         holders = len(holding)
         for request_id in list(engine.preempted_blocks):  # they wait to get blocks back
             holding.setdefault(request_id, 0)
         largest = heapq.nlargest(self.top_requests, holding.items(), key=itemgetter(1))
-        return {"holding_requests": holders, "requests": [self._row(engine, *item, now) for item in largest]}
+        zombies = engine.reconciler.zombie_ids()
+        return {"holding_requests": holders, "requests": [self._row(engine, *item, now, zombies) for item in largest]}
 
-    def _row(self, engine: EngineTelemetry, request_id: str, blocks: int, now: float) -> dict[str, Any]:
+    def _row(self, engine: EngineTelemetry, request_id: str, blocks: int, now: float, zombies: set[str]) -> dict[str, Any]:
         request = engine.scheduler_requests.get(request_id)
         if request is None:  # vLLM no longer knows it, and its blocks are still listed: a leak
             return {"id": engine.reported_id(request_id), "blocks": blocks, "state": names.LIVE_STATE_ZOMBIE}
@@ -238,7 +233,7 @@ class SnapshotPublisher:
         state = states[request.status]
         if state == names.LIVE_STATE_FINISHED:
             connectors = engine.connectors
-            if request_id in engine.reconciler.zombie_ids():
+            if request_id in zombies:
                 state = names.LIVE_STATE_ZOMBIE
             elif connectors is not None and request_id in connectors.held:
                 state = names.LIVE_STATE_HELD_FOR_SEND

@@ -211,19 +211,17 @@ def _whatif_line(whatif: dict[str, Any] | None) -> Text | None:
     return line
 
 
-def _matches(view: View, model: Any, baggage: dict[str, Any]) -> bool:
+def _matches(view: View, *values: Any) -> bool:
+    """Whether one of ``values`` (a model, a tenant...) contains the view's filter."""
     if not view.filter:
         return True
     wanted = view.filter.lower()
-    return any(wanted in str(value).lower() for value in (model, *baggage.values()) if value is not None)
+    return any(wanted in str(value).lower() for value in values if value is not None)
 
 
 def _holders_line(holders: list[dict[str, Any]], other: float, view: View) -> Text:
     line = Text("  holders ")
-    shown = [
-        h for h in holders
-        if _matches(view, h["attributes"].get(names.MODEL), {k: v for k, v in h["attributes"].items() if k != names.MODEL})
-    ]  # fmt: skip
+    shown = [h for h in holders if _matches(view, *h["attributes"].values())]
     if not shown:
         return line.append("none", style="dim")
     for holder in shown:
@@ -236,7 +234,7 @@ def _holders_line(holders: list[dict[str, Any]], other: float, view: View) -> Te
 
 
 def _requests_table(engine: dict[str, Any], view: View) -> Table:
-    rows = [r for r in engine["requests"] if _matches(view, r.get("model"), r.get("baggage") or {})]
+    rows = [r for r in engine["requests"] if _matches(view, r.get("model"), *(r.get("baggage") or {}).values())]
     rows.sort(key=lambda r: r.get(view.sort) or 0, reverse=True)
     keys = sorted({key for row in rows for key in (row.get("baggage") or {})})
     holding = engine.get("holding_requests", len(engine["requests"]))

@@ -538,6 +538,19 @@ def real_blocks(blocks: Any, may_hold_null: bool = True) -> int:
     return len(blocks) - countOf(map(_IS_NULL, blocks), True) if may_hold_null else len(blocks)
 
 
+def blocks_held_by_request(type_managers: tuple[tuple[Any, bool], ...]) -> dict[str, int]:
+    """Request id -> the blocks the KV manager holds for it across its groups, for every
+    request holding any (``(manager, may_hold_null_blocks(manager))`` pairs). Each
+    group's block lists are copied with one C call first: safe off the engine thread."""
+    holding: dict[str, int] = {}
+    for manager, with_null_blocks in type_managers:
+        for request_id, blocks in list(blocks_by_request(manager).items()):
+            held = real_blocks(blocks, with_null_blocks)
+            if held:
+                holding[request_id] = holding.get(request_id, 0) + held
+    return holding
+
+
 def fair_share(blocks: Any, may_hold_null: bool = True) -> float:
     """A request's blocks, each counted 1 / its reference count (``ref_cnt``: how many
     block lists hold it), vLLM's null block left out. Most blocks have one holder: they

@@ -2,9 +2,9 @@
 
 One daemon thread per engine process, started with its first engine, writes each
 engine's snapshot (``top/snapshot_files.py`` says where, and how it is kept private) at
-most once a second, and at most ``BUDGET`` of the time: after a round that took t, the
-next waits at least t / ``BUDGET``, so a huge pool is published less often rather than
-at a greater cost. Under the GIL, the thread's time is time the engine thread may wait
+most once a second, and at most ``BUDGET`` of the time: after a round that took t of the
+thread's own time (its waits for the GIL and the disk left out), the next waits at least
+t / ``BUDGET``, so a huge pool is published less often rather than at a greater cost. Under the GIL, the thread's time is time the engine thread may wait
 for it: measured in benchmarks/RESULTS.md ("The live snapshot").
 
 Its costly part, the holders' fair share over every held block and the requests holding
@@ -22,6 +22,7 @@ An engine's file goes with its engine, or with its process when it exits.
 from __future__ import annotations
 
 import heapq
+import itertools
 import os
 import socket
 import threading
@@ -63,6 +64,8 @@ BUDGET = 0.001
 """The share of the time the publishing thread may take."""
 RATE_WINDOW_SECONDS = 60.0
 """Rates and the prefix-hit ratio are over this long (less while the engine is younger)."""
+_SERIALS = itertools.count()
+"""Tells apart the engines one process makes in turn, whichever instrumentation made them."""
 HOOK = "live_snapshot"
 """Our errors here are counted under this name (``otel_kvcache.instrumentation.errors``)."""
 
@@ -112,7 +115,7 @@ class SnapshotPublisher:
             return
         if self._readers is None:
             self._readers = (live_states_by_status(), session_id_reader(), arrival_time_reader())
-        path = snapshot_path(directory, os.getpid(), engine.attributes[names.ENGINE_INDEX])
+        path = snapshot_path(directory, os.getpid(), engine.attributes[names.ENGINE_INDEX], next(_SERIALS))
         weakref.finalize(engine, _remove, path, os.getpid())  # with the engine, or at the process's exit
         with self._lock:
             self._engines[engine] = (path, RateWindow())
@@ -136,18 +139,19 @@ class SnapshotPublisher:
 
     def publish(self) -> None:
         """One round: every engine's snapshot, written whole."""
-        started = time.perf_counter()
-        with self._lock:
-            engines = list(self._engines.items())
+        started = time.thread_time()  # this thread's own time: not its waits for the GIL, nor the disk
         detailed: dict[Path, bool] = {}
-        for engine, (path, rates) in engines:
-            try:
-                if path.parent not in detailed:
-                    detailed[path.parent] = watched(path.parent, time.time())
-                write_snapshot(path, self.snapshot_of(engine, rates, detailed[path.parent]))
-            except Exception as exc:  # noqa: BLE001 - ours: counted, and the next round tries again
-                self.errors.count(HOOK, exc)
-        self.interval = max(PUBLISH_SECONDS, (time.perf_counter() - started) / BUDGET)
+        with self._lock:  # ``stop()`` waits for the round: no file written after it removed them
+            if self._stop.is_set():
+                return
+            for engine, (path, rates) in list(self._engines.items()):
+                try:
+                    if path.parent not in detailed:
+                        detailed[path.parent] = watched(path.parent, time.time())
+                    write_snapshot(path, self.snapshot_of(engine, rates, detailed[path.parent]))
+                except Exception as exc:  # noqa: BLE001 - ours: counted, and the next round tries again
+                    self.errors.count(HOOK, exc)
+        self.interval = max(PUBLISH_SECONDS, (time.thread_time() - started) / BUDGET)
 
     def snapshot_of(self, engine: EngineTelemetry, rates: RateWindow, detailed: bool = True) -> dict[str, Any]:
         """The engine now, in the format ``docs/top.md`` describes; its holders and

@@ -94,8 +94,10 @@ def watched(directory: Path, now: float) -> bool:
         return False
 
 
-def snapshot_path(directory: Path, pid: int, engine_index: int) -> Path:
-    return directory / f"engine-{pid}-{engine_index}.json"
+def snapshot_path(directory: Path, pid: int, engine_index: int, serial: int) -> Path:
+    """One engine's file: ``serial`` tells apart the engines one process makes in turn
+    (an engine rebuilt in-process keeps its index; the old one's file goes with it)."""
+    return directory / f"engine-{pid}-{engine_index}-{serial}.json"
 
 
 def write_snapshot(path: Path, snapshot: dict[str, Any]) -> None:

@@ -23,16 +23,25 @@ Instructions are not time: a miss in the caches costs many of them. With
 own last level, and the overhead is given in valgrind's estimate of cycles
 (``estimated_cycles``) as well: still deterministic, still only a model.
 
-Timers in the instrumentation run on wall time, which valgrind stretches about
-50-fold: the metric reader's interval and the live snapshot's (``otel-kvcache top``)
-are stretched alike, and the leak
-reconciliation (one pass per 5 s of wall time, costed separately by
-``benchmarks.overhead``) is left out.
+The instrumentation's timers run on wall time, which valgrind stretches
+unevenly: how many of their rounds fell inside the window would move the count
+by more than a target's width from one run to the next. So none runs in a
+counted process:
+
+- the engine thread's own chores, due once a second (the pool's settling, the
+  hand-over to the helper), are done once at the end of the window, counted with
+  it: what they do grows with the window's requests, and is all there;
+- what runs off the engine thread on a timer of its own (the metric reader's
+  collection, a round of ``otel-kvcache top``'s snapshot, unwatched and watched)
+  is counted apart, once each after the window, and printed beside the overhead;
+- the leak reconciliation (one pass per 5 s of wall time, costed separately by
+  ``benchmarks.overhead``) is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -49,34 +58,69 @@ VALGRIND_SLOWDOWN = 50
 MISSING_VALGRIND = "valgrind is not installed (Debian: apt-get install valgrind)"
 
 
+NEVER_SECONDS = 10.0**9
+"""An interval no run reaches: a timer's work is done on cue instead (``_child``)."""
+
+
+def _callgrind(*arguments: str) -> None:
+    subprocess.run(["callgrind_control", *arguments, str(os.getpid())], check=True, capture_output=True)
+
+
+def _counted(part: str, work) -> None:
+    """Counts ``work()`` alone, into a dump of its own named ``part``."""
+    _callgrind("--instr=on")
+    work()
+    _callgrind("--instr=off")
+    _callgrind(f"--dump={part}")
+
+
 def _child(variant: str, workload_name: str, steps: int) -> None:
-    """Runs inside valgrind: warm up uncounted, count ``steps`` steps."""
+    """Runs inside valgrind: warm up uncounted, count ``steps`` steps, then the timed chores apart."""
     from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver
+    from otel_kvcache.patch import ENGINE_ATTRIBUTE
 
     os.environ["OTEL_KVCACHE_RECONCILE_SECONDS"] = str(10**9)
+    chores = []
     if variant == "otel":
-        from otel_kvcache import exporter_process, live_snapshot
+        from otel_kvcache import exporter_process, live_snapshot, pool
 
-        live_snapshot.PUBLISH_SECONDS *= VALGRIND_SLOWDOWN  # the snapshot for `top`, once a second unstretched
-
-        # Wall-clock-driven work as often per step as outside valgrind, which runs it
-        # about 50 times slower: the metric reader's collections, the hand-over to the helper.
-        instrument(export_interval_millis=5_000 * VALGRIND_SLOWDOWN)
-        exporter_process.FLUSH_SECONDS *= VALGRIND_SLOWDOWN
-        exporter_process.RETRY_SECONDS *= VALGRIND_SLOWDOWN
+        # Every timer of ours, off: how many of its rounds fell inside the window
+        # would follow the wall clock, which valgrind stretches unevenly.
+        for module, interval in (
+            (pool, "SETTLE_SECONDS"), (exporter_process, "FLUSH_SECONDS"), (live_snapshot, "PUBLISH_SECONDS"),
+        ):  # fmt: skip
+            setattr(module, interval, NEVER_SECONDS)
+        meter_provider = instrument(export_interval_millis=int(NEVER_SECONDS * 1000))
     from vllm.utils.gc_utils import freeze_gc_heap
 
     workload = {w.name: w for w in workloads()}[workload_name]
     driver = Driver(workload)
     driver.top_up()
     driver.run(2 * workload.output_len)  # past the first wave: a steady mix of ages, as in benchmarks.overhead
+    if variant == "otel":  # as the metric reader would have by now (the what-if curve catches up there)
+        meter_provider.force_flush()
     freeze_gc_heap()
     finished = driver.finished
-    subprocess.run(["callgrind_control", "--instr=on", str(os.getpid())], check=True, capture_output=True)
-    driver.run(steps)
-    subprocess.run(["callgrind_control", "--instr=off", str(os.getpid())], check=True, capture_output=True)
+
+    def window() -> None:
+        driver.run(steps)
+        if variant == "otel":  # the chores of the window's steps, due once a second: done once, counted with them
+            engine = getattr(driver.scheduler, ENGINE_ATTRIBUTE)
+            engine.pool.settle()
+            engine.exporter.flush()
+
+    _counted("window", window)
     print("FINISHED", driver.finished - finished, flush=True)
+    if variant == "otel":  # off the engine thread, each on its own timer: costed apart
+        from otel_kvcache import VLLMKVCacheInstrumentor
+        from otel_kvcache.top.snapshot_files import read_snapshots
+
+        publisher = VLLMKVCacheInstrumentor()._publisher
+        _counted("metric collection", meter_provider.force_flush)
+        _counted("top snapshot", publisher.publish)
+        read_snapshots()  # as `otel-kvcache top` reads: the engines publish in full while watched
+        _counted("top snapshot, watched", publisher.publish)
 
 
 # With --cache-sim: the simulated last level is a core's own 2 MB (16-way), not the
@@ -92,7 +136,22 @@ def estimated_cycles(events: dict[str, int]) -> int:
     return events["Ir"] + 10 * first_level + 100 * last_level
 
 
+def _dumps(directory: str) -> dict[str, dict[str, int]]:
+    """Each ``--dump=part``'s events, by part (``callgrind.out.1``, ``.2``, ... in turn)."""
+    parts = {}
+    for path in sorted(glob.glob(f"{directory}/callgrind.out.*"), key=lambda p: int(p.rsplit(".", 1)[1])):
+        with open(path) as f:
+            text = f.read()
+        part = re.search(r"^desc: Trigger: dump (.+)$", text, re.M).group(1)
+        names = re.search(r"^events: (.+)$", text, re.M).group(1).split()
+        totals = re.search(r"^totals: (.+)$", text, re.M).group(1).split()
+        parts[part] = dict(zip(names, map(int, totals)))
+    return parts
+
+
 def count(variant: str, workload_name: str, steps: int, seed: int, cache_sim: bool = False) -> dict:
+    """The ``window``'s events, the number of requests finished in it, and (instrumented)
+    each timed chore's events apart, by part."""
     with tempfile.TemporaryDirectory() as directory:
         result = subprocess.run(
             [
@@ -102,17 +161,17 @@ def count(variant: str, workload_name: str, steps: int, seed: int, cache_sim: bo
                 sys.executable, "-m", "benchmarks.instructions", "--child", variant, workload_name, str(steps),
             ],
             capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            env={**os.environ, "PYTHONHASHSEED": str(seed), "OTEL_KVCACHE_TOP_DIR": f"{directory}/top"},
         )  # fmt: skip
-    collected = re.search(r"Collected : ([\d ]+)", result.stderr)
-    finished = re.search(r"FINISHED (\d+)", result.stdout)
-    if result.returncode != 0 or not collected or not finished:
-        raise RuntimeError(f"{variant} {workload_name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    names = re.search(r"Events +: ([\w ]+)", result.stderr).group(1).split()
-    events = dict(zip(names, map(int, collected.group(1).split())))
-    counted = {"instructions": events["Ir"], "finished": int(finished.group(1))}
+        finished = re.search(r"FINISHED (\d+)", result.stdout)
+        if result.returncode != 0 or not finished:
+            raise RuntimeError(f"{variant} {workload_name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        parts = _dumps(directory)
+    window = parts.pop("window")
+    counted = {"instructions": window["Ir"], "finished": int(finished.group(1))}
+    counted["apart"] = {part: events["Ir"] for part, events in parts.items()}
     if cache_sim:
-        counted["cycles"] = estimated_cycles(events)
+        counted["cycles"] = estimated_cycles(window)
     return counted
 
 
@@ -131,6 +190,7 @@ def measure(workload_names: list[str], steps: int, seed: int = 0, cache_sim: boo
                 "target": TARGETS.get(name),
                 "instructions_per_finished_request": extra / max(1, otel["finished"]),
                 "finished": otel["finished"],
+                "apart": otel["apart"],
             }
             if cache_sim:
                 outcome["base_cycles_per_step"] = base["cycles"] / steps
@@ -145,6 +205,11 @@ def report(outcome: dict) -> str:
         f"instrumented +{100 * outcome['overhead']:.2f} % ({against_target(outcome['overhead'], name)}) | "
         f"{outcome['instructions_per_finished_request'] / 1e3:.0f} k instructions per finished request"
     ]
+    if outcome.get("apart"):
+        lines.append(
+            f"{'':<14} apart, off the engine thread, each on its own timer: "
+            + ", ".join(f"{part} {events / 1e6:.1f} M" for part, events in outcome["apart"].items())
+        )
     if "cycles_overhead" in outcome:
         lines.append(
             f"{'':<14} base {outcome['base_cycles_per_step'] / 1e6:.1f} M estimated cycles/step | "

@@ -14,7 +14,10 @@ from demo.prometheus import PrometheusServer, wait_for_url
 from demo.server import free_port
 from test_pipeline_configs import dashboard_queries
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed"),
+    pytest.mark.vllm_independent,
+]
 
 SOURCE = Path(__file__).resolve().parent / "metrics_source.py"
 

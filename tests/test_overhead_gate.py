@@ -7,13 +7,10 @@ is counted and what is not).
 
 ``STEPS`` counted steps per workload, half the benchmark's 100: most of the
 gate's time is fixed (importing vLLM under valgrind, and the warm-up past the
-first wave, uncounted but still under valgrind), so halving the counted steps
-is what keeps it to a few minutes. Fewer would let a one-off (a metric
-collection, a hand-over to the helper, a garbage collection) landing in one
-side's window weigh more against the whole: at 50, decode-heavy's window, the
-smallest, is still about 1.6 billion instructions a side, and the three ratios
-agree with the full runs' in benchmarks/RESULTS.md within the spread between
-those runs, far below each target.
+first wave, uncounted but still under valgrind). No timer of ours runs inside
+the window (``benchmarks.instructions`` says how each is costed), so the count
+does not follow the wall clock; fewer steps would make the once-a-window
+chores weigh more.
 
 valgrind missing fails the gate rather than skipping it: the test command
 installs it (``scripts/test.sh``), and a skip would pass a change that nobody measured.

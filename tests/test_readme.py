@@ -15,6 +15,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME
 
 from otel_kvcache import config, drain, names, resource
 
+pytestmark = pytest.mark.vllm_independent  # the same on every vLLM: tested in the default environment
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PACKAGE = ROOT / "src" / "otel_kvcache"

@@ -22,6 +22,8 @@ from otel_kvcache.report.request_charts import HOLDING, PREEMPTED, WAITING, phas
 from otel_kvcache.report.sample import RowSample
 from otel_kvcache.report.trace_digest import Event, RequestRow, read_traces
 
+pytestmark = pytest.mark.vllm_independent  # the same on every vLLM: tested in the default environment
+
 def script_json(page: str, element_id: str):
     """The JSON in the page's ``<script type="application/json" id=...>`` block."""
     match = re.search(rf'<script type="application/json"[^>]* id="{element_id}">(.*?)</script>', page, re.S)

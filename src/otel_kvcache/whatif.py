@@ -33,16 +33,24 @@ does not model: preemptions a smaller pool would add (their recomputation
 misses), a bigger pool admitting more requests at once (their blocks would
 take more room), and a hit stopping at the first missing block of a chain.
 
-Costs: per freed or looked-up block, a set operation and a comparison, in C
+Costs. On the engine thread, per freed or looked-up block, a set operation
+in C (the miss reasons' history), and per lookup, release and step an event
+appended to a deque. The curve's own work waits in that deque until the curve
+is read (``catch_up``: at metric collection, or a snapshot for ``otel-kvcache
+top``), off the engine thread: per block, a comparison in C
 (``itertools.compress`` picks the sampled ones without a Python step per
 block; Python ``hash`` ints as keys cost twice the instructions of vLLM's own
-hash objects, ``benchmarks/RESULTS.md``); per sampled block, a
-``bisect`` and a deletion from a short list. Memory: the history above, and
-the stack up to ``2 × max(SCALES)`` × pool × ``sample_rate`` blocks.
+hash objects, ``benchmarks/RESULTS.md``), and per sampled block a ``bisect``
+and a deletion from a short list. Where nothing reads the curve for long, the
+engine thread catches up itself once ``MOST_PENDING_PER_BLOCK`` × pool events
+wait. Memory: the history above, the events waiting (each holds a list of
+references to vLLM's hashes), and the stack up to ``2 × max(SCALES)`` × pool ×
+``sample_rate`` blocks.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from array import array
 from bisect import bisect_left, bisect_right
@@ -59,6 +67,9 @@ HISTORY_PER_BLOCK = 4
 WINDOW_SECONDS = 600.0
 """The curve and the peak demand are over the last ten minutes of lookups."""
 BUCKET_SECONDS = 10.0
+MOST_PENDING_PER_BLOCK = 4
+"""Events the curve may have yet to take in, per block of the pool, before the engine
+thread takes them in itself (where nothing reads the curve for long)."""
 SAMPLED_BLOCKS = 256
 """By default, the sample rate keeps about this many sampled blocks per pool's worth."""
 
@@ -165,12 +176,16 @@ class PrefixReuse:
         its last holder lets go)."""
         self._depth_limit = int(max(SCALES) * pool_blocks * sample_rate) + 1
         self._window = _Window()
+        self._curve_events: deque[tuple] = deque()
+        """What vLLM did that the curve has yet to take in, in order (``catch_up``)."""
+        self._most_pending = max(MOST_PENDING_PER_BLOCK * pool_blocks, 4096)
+        self._catching_up = threading.Lock()
         # Cumulative miss reasons, in tokens (observable counters).
         self.evicted_tokens = 0
         self.cold_tokens = 0
         self.uncacheable_tokens = 0
 
-    # --- what vLLM did ---------------------------------------------------------------
+    # --- what vLLM did (on the engine thread) ------------------------------------------
 
     def on_freed(self, block_hashes: Iterable) -> None:
         """A request gave back its blocks, with these hashes, in this order (vLLM frees
@@ -179,6 +194,51 @@ class PrefixReuse:
         self._freed_lately.update(hashes)
         if len(self._freed_lately) >= self._generation:
             self._freed_before, self._freed_lately = self._freed_lately, set()
+        self._for_the_curve((self._curve_freed, (hashes,)))
+
+    def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
+                  used_blocks: int, now: float) -> tuple[int, int, int]:  # fmt: skip
+        """A counted prefix lookup of a request whose blocks that could hit have these
+        hashes (``vllm_compat.lookup_keys``, a list of its own); the first ``hit_blocks``
+        did. Returns the missed tokens as (evicted, cold, uncacheable). The looked-up
+        blocks are in use from now on."""
+        missed = keys[hit_blocks:]
+        remembered = len(self._freed_lately.intersection(missed))
+        remembered += len(self._freed_before.intersection(missed).difference(self._freed_lately))
+        evicted = block_size * remembered
+        cold = block_size * len(missed) - evicted
+        uncacheable = queried_tokens - block_size * len(keys)
+        self.evicted_tokens += evicted
+        self.cold_tokens += cold
+        self.uncacheable_tokens += uncacheable
+        self._for_the_curve((self._curve_lookup, (keys, hit_blocks, block_size, queried_tokens, used_blocks, now)))
+        return evicted, cold, uncacheable
+
+    def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
+        """Blocks in use, and held by preempted requests waiting to run again."""
+        self._for_the_curve((self._curve_demand, (used_blocks + waiting_for_blocks, now)))
+
+    def on_reset(self) -> None:
+        """The prefix cache was emptied: no freed block is cached any more, at any size.
+        (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
+        self._for_the_curve((self._curve_reset, ()))
+
+    def _for_the_curve(self, event: tuple) -> None:
+        self._curve_events.append(event)
+        if len(self._curve_events) > self._most_pending:  # nobody reads: catch up here, now and then
+            self.catch_up()
+
+    # --- the curve, where it is read ------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Takes what vLLM did since the last reading into the curve, in order."""
+        events = self._curve_events
+        with self._catching_up:
+            while events:  # the engine thread appends meanwhile: taken now, or next time
+                work, arguments = events.popleft()
+                work(*arguments)
+
+    def _curve_freed(self, hashes: list) -> None:
         holders = self._holders
         for key in self._sampled(hashes):
             held_by = holders.pop(key, 1) - 1
@@ -198,32 +258,17 @@ class PrefixReuse:
             return hashes
         return compress(hashes, map(gt, repeat(self._threshold), hashes))
 
-    def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
-                  used_blocks: int, now: float) -> tuple[int, int, int]:  # fmt: skip
-        """A counted prefix lookup of a request whose blocks that could hit have these
-        hashes (``vllm_compat.lookup_keys``); the first ``hit_blocks`` did. Returns the
-        missed tokens as (evicted, cold, uncacheable). The looked-up blocks are in use
-        from now on."""
-        missed = keys[hit_blocks:]
-        remembered = len(self._freed_lately.intersection(missed))
-        remembered += len(self._freed_before.intersection(missed).difference(self._freed_lately))
-        evicted = block_size * remembered
-        cold = block_size * len(missed) - evicted
-        uncacheable = queried_tokens - block_size * len(keys)
-        self.evicted_tokens += evicted
-        self.cold_tokens += cold
-        self.uncacheable_tokens += uncacheable
-
+    def _curve_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
+                      used_blocks: int, now: float) -> None:  # fmt: skip
         sums = self._window.bucket(now)
         sums[_LOOKED_UP] += queried_tokens
         sums[_HIT] += block_size * hit_blocks
         weight = block_size / self.sample_rate
         holders = self._holders
-        for hit, blocks in ((True, keys[:hit_blocks]), (False, missed)):
+        for hit, blocks in ((True, keys[:hit_blocks]), (False, keys[hit_blocks:])):
             for key in self._sampled(blocks):
                 self._project(self._take(key), hit, used_blocks, sums, weight)
                 holders[key] = holders.get(key, 0) + 1
-        return evicted, cold, uncacheable
 
     def _project(self, depth: int | None, hit: bool, used_blocks: int, sums: array, weight: float) -> None:
         """One sampled block's gain or loss at each scale against vLLM's outcome.
@@ -239,16 +284,12 @@ class PrefixReuse:
             if scale != 1.0 and would_hit != hit:
                 sums[_GAIN + index] += weight if would_hit else -weight
 
-    def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
-        """Blocks in use, and held by preempted requests waiting to run again."""
+    def _curve_demand(self, demand: int, now: float) -> None:
         sums = self._window.bucket(now)
-        demand = used_blocks + waiting_for_blocks
         if demand > sums[_PEAK]:
             sums[_PEAK] = demand
 
-    def on_reset(self) -> None:
-        """The prefix cache was emptied: no freed block is cached any more, at any size.
-        (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
+    def _curve_reset(self) -> None:
         self._stack = _Stack()
         self._place_of.clear()
 
@@ -257,6 +298,7 @@ class PrefixReuse:
     def projected_hit_ratios(self, now: float | None = None) -> dict[float, float]:
         """Scale -> the share of the window's looked-up tokens a pool that many times as
         large would have served from the prefix cache (empty before any lookup)."""
+        self.catch_up()
         totals = self._window.totals(time.monotonic() if now is None else now)
         looked_up = totals[_LOOKED_UP]
         if not looked_up:
@@ -268,6 +310,7 @@ class PrefixReuse:
 
     def preemption_free_scale(self, now: float | None = None) -> float | None:
         """The smallest pool, as a multiple of this one, that the window's peak demand fits."""
+        self.catch_up()
         peak = self._window.totals(time.monotonic() if now is None else now)[_PEAK]
         return peak / self.pool_blocks if peak and self.pool_blocks else None
 

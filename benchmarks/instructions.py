@@ -78,12 +78,13 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     """Runs inside valgrind: warm up uncounted, count ``steps`` steps, then the timed chores apart."""
     from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver
-    from otel_kvcache.patch import ENGINE_ATTRIBUTE
+    from otel_kvcache.wiring.patch import ENGINE_ATTRIBUTE
 
     os.environ["OTEL_KVCACHE_RECONCILE_SECONDS"] = str(10**9)
     chores = []
     if variant == "otel":
-        from otel_kvcache import exporter_process, live_snapshot, pool
+        from otel_kvcache.engine import live_snapshot, pool
+        from otel_kvcache.export import exporter_process
 
         # Every timer of ours, off: how many of its rounds fell inside the window
         # would follow the wall clock, which valgrind stretches unevenly.
@@ -114,7 +115,7 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     print("FINISHED", driver.finished - finished, flush=True)
     if variant == "otel":  # off the engine thread, each on its own timer: costed apart
         from otel_kvcache import VLLMKVCacheInstrumentor
-        from otel_kvcache.top.snapshot_files import read_snapshots
+        from otel_kvcache.engine.snapshot_files import read_snapshots
 
         publisher = VLLMKVCacheInstrumentor()._publisher
         _counted("metric collection", meter_provider.force_flush)

@@ -73,8 +73,8 @@ def unhook() -> None:
 
 def empty(parts: str) -> None:
     """Leaves the named parts of the instrumentation's work out (``EMPTIED_METHODS``)."""
-    from otel_kvcache.engine import EngineTelemetry
-    from otel_kvcache.pool import PoolTracker
+    from otel_kvcache.engine.pool import PoolTracker
+    from otel_kvcache.engine.telemetry import EngineTelemetry
 
     owners = {"EngineTelemetry": EngineTelemetry, "PoolTracker": PoolTracker}
     for part in parts.split(","):

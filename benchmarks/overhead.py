@@ -71,7 +71,7 @@ def pool_metric_cost() -> dict[int, dict[str, float]]:
     from opentelemetry.sdk.trace import TracerProvider
 
     from otel_kvcache import VLLMKVCacheInstrumentor
-    from otel_kvcache.leaks import RECONCILE_BUDGET
+    from otel_kvcache.engine.leaks import RECONCILE_BUDGET
 
     reader = InMemoryMetricReader()
     instrumentor = VLLMKVCacheInstrumentor()

@@ -45,9 +45,10 @@ from demo.server import (
 )
 from demo.tiny_model import make_tiny_model
 from demo.top_frame import BusiestFrame
-from otel_kvcache import config, gate, names
-from otel_kvcache.report.build import write as write_report
-from otel_kvcache.top.frame import View, render
+from otel_kvcache import config, names
+from otel_kvcache.commands import gate
+from otel_kvcache.commands.report.build import write as write_report
+from otel_kvcache.commands.top.frame import View, render
 
 SERVED_MODEL_NAME = "tiny-llama"
 ATTRIBUTION_SETTINGS = {

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from otel_kvcache import names
-from otel_kvcache.otlp_json import kv_spans, latest_per_engine, metric_points
-from otel_kvcache.report.metric_digest import read_metrics
+from otel_kvcache.commands.otlp_json import kv_spans, latest_per_engine, metric_points
+from otel_kvcache.commands.report.metric_digest import read_metrics
 
 TENANT = "tenant.id"
 """The baggage entry the main job's clients name their tenant by (``demo/load.py``)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from otel_kvcache.top.frame import json_frame
-from otel_kvcache.top.snapshot_files import read_snapshots
+from otel_kvcache.commands.top.frame import json_frame
+from otel_kvcache.engine.snapshot_files import read_snapshots
 
 
 class BusiestFrame:

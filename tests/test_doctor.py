@@ -23,7 +23,7 @@ def _installed() -> tuple[str, str]:
 
 
 def _doctor(code: str = "") -> subprocess.CompletedProcess:
-    program = textwrap.dedent(code) + "\nimport sys\nfrom otel_kvcache.cli import main\nsys.exit(main(['doctor']))\n"
+    program = textwrap.dedent(code) + "\nimport sys\nfrom otel_kvcache.commands.cli import main\nsys.exit(main(['doctor']))\n"
     environment = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
                           env=environment)

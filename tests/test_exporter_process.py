@@ -11,7 +11,7 @@ from conftest import Telemetry, export_through_a_helper
 from demo.otlp_sink import OTLPSink, attributes_of
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names
-from otel_kvcache.exporter_process import ExporterProcess
+from otel_kvcache.export.exporter_process import ExporterProcess
 
 TRACE_ID, PARENT_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
 
@@ -161,7 +161,7 @@ def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, help
     from engine_harness import EngineHarness
     from harness.scheduler import make_scheduler
 
-    from otel_kvcache import exporter_process
+    from otel_kvcache.export import exporter_process
 
     monkeypatch.setattr(exporter_process, "MAX_BUFFERED_BYTES", 0)  # one unread frame is too many
     sink = helper_exports_to
@@ -310,7 +310,7 @@ def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config,
     from engine_harness import EngineHarness
     from harness.scheduler import make_scheduler
 
-    from otel_kvcache.exporter_process import MAX_DEATHS
+    from otel_kvcache.export.exporter_process import MAX_DEATHS
 
     telemetry = helper_telemetry
     engine = EngineHarness(make_scheduler(model_config, num_blocks=256))

@@ -62,7 +62,7 @@ def _helpers_of(engine_pid: int) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = process.info["cmdline"] or []
-        if "otel_kvcache.helper" in cmdline and cmdline[-1] == str(engine_pid):
+        if "otel_kvcache.export.helper" in cmdline and cmdline[-1] == str(engine_pid):
             found.append(process)
     return found
 
@@ -212,7 +212,7 @@ def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp
     """The engine ends as vLLM's shutdown ends it (SIGKILL), leaving its helper frames it
     cannot deliver (each export retries for 30 s): the helper gives up at its deadline,
     says so, and does not outlive the engine by more."""
-    from otel_kvcache.helper import SHUTDOWN_SECONDS
+    from otel_kvcache.export.helper import SHUTDOWN_SECONDS
 
     code = _engine_script(
         tmp_path,

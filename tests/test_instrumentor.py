@@ -13,8 +13,8 @@ import pytest
 import wrapt
 
 from otel_kvcache import VLLMKVCacheInstrumentor
-from otel_kvcache.hooks import LazyPatcher
 from otel_kvcache.vllm_compat import HookPoint, hook_points_of
+from otel_kvcache.wiring.hooks import LazyPatcher
 
 HOOK_POINTS = hook_points_of()  # those of the installed vLLM
 
@@ -151,7 +151,7 @@ def test_a_hot_wrapper_forwards_arguments_as_given_and_tracebacks_show_its_sourc
     import traceback
 
     from otel_kvcache.errors import InstrumentationErrors
-    from otel_kvcache.patch import ENGINE_ATTRIBUTE, _after_call, _around
+    from otel_kvcache.wiring.patch import ENGINE_ATTRIBUTE, _after_call, _around
 
     def original(self, a, /, b, *args, c, d=4, **kwargs):
         if a == "fail":

@@ -9,7 +9,8 @@ import pytest
 from opentelemetry import trace
 
 from engine_harness import break_free_for
-from otel_kvcache import gate, names
+from otel_kvcache import names
+from otel_kvcache.commands import gate
 
 @pytest.fixture
 def leak_settings(monkeypatch):

@@ -8,8 +8,8 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names
-from otel_kvcache.engine import EngineTelemetry
-from otel_kvcache.pool import PoolTracker
+from otel_kvcache.engine.pool import PoolTracker
+from otel_kvcache.engine.telemetry import EngineTelemetry
 
 from conftest import Telemetry
 from engine_harness import EngineHarness, busy_run_decisions

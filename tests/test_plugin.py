@@ -48,7 +48,7 @@ def _probe(env: dict[str, str], *prefix: str) -> dict:
 
 def test_vllm_finds_the_plugin():
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert plugins["otel_kvcache"] == "otel_kvcache.plugin:register"
+    assert plugins["otel_kvcache"] == "otel_kvcache.wiring.plugin:register"
 
 
 @pytest.mark.parametrize(

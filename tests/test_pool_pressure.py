@@ -9,9 +9,9 @@ from harness.scheduler import VOCAB_SIZE
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
-from otel_kvcache import engine as engine_module
 from otel_kvcache import names
-from otel_kvcache import pool as pool_tracking
+from otel_kvcache.engine import telemetry as engine_module
+from otel_kvcache.engine import pool as pool_tracking
 
 NUM_BLOCKS = 24  # 23 usable blocks of 16 tokens for requests that grow to ~9 blocks each
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from otel_kvcache import names
-from otel_kvcache.resource import PROCESS_ENVIRONMENT_VARIABLE, role_of_process
+from otel_kvcache.wiring.resource import PROCESS_ENVIRONMENT_VARIABLE, role_of_process
 
 from test_instrumentor import OPENTELEMETRY_INSTRUMENT
 

@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.resources import SERVICE_NAME
 
-from otel_kvcache import config, drain, names, resource
+from otel_kvcache import config, names
+
+from otel_kvcache.export import drain
+
+from otel_kvcache.wiring import resource
 
 pytestmark = pytest.mark.vllm_independent  # the same on every vLLM: tested in the default environment
 

@@ -16,11 +16,13 @@ import pytest
 from headless_chromium import open_and_check
 from otlp_files import T0, Run, kv_span, metrics_request, traces_request, write_lines
 
-from otel_kvcache import cli, names
-from otel_kvcache.report.buckets import TimeBuckets
-from otel_kvcache.report.request_charts import HOLDING, PREEMPTED, WAITING, phases
-from otel_kvcache.report.sample import RowSample
-from otel_kvcache.report.trace_digest import Event, RequestRow, read_traces
+from otel_kvcache import names
+
+from otel_kvcache.commands import cli
+from otel_kvcache.commands.report.buckets import TimeBuckets
+from otel_kvcache.commands.report.request_charts import HOLDING, PREEMPTED, WAITING, phases
+from otel_kvcache.commands.report.sample import RowSample
+from otel_kvcache.commands.report.trace_digest import Event, RequestRow, read_traces
 
 pytestmark = pytest.mark.vllm_independent  # the same on every vLLM: tested in the default environment
 
@@ -321,7 +323,7 @@ def test_the_command_is_on_the_path(run_files, tmp_path):
     """The console script, as a user runs it: the path on stdout, exit 0."""
     out = tmp_path / "sub" / "report.html"
     result = subprocess.run(
-        [sys.executable, "-m", "otel_kvcache.cli", "report", "--otlp-dir", str(run_files), "-o", str(out)],
+        [sys.executable, "-m", "otel_kvcache.commands.cli", "report", "--otlp-dir", str(run_files), "-o", str(out)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -25,7 +25,7 @@ from demo.load import LoadClient, growing_chat, traceparent
 from demo.otlp_sink import attributes_of
 from demo.server import ServerConfig, VLLMServer, prometheus_value
 from otel_kvcache import names
-from otel_kvcache.cli import main as cli
+from otel_kvcache.commands.cli import main as cli
 
 pytestmark = pytest.mark.serving
 

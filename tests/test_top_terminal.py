@@ -48,7 +48,7 @@ def source(tmp_path_factory):
 
 
 def top(environment, *arguments: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "otel_kvcache.cli", "top", *arguments], env=environment,
+    return subprocess.run([sys.executable, "-m", "otel_kvcache.commands.cli", "top", *arguments], env=environment,
                           capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
 
 
@@ -110,7 +110,7 @@ def test_the_live_view_in_a_terminal_sorts_filters_and_quits(source):
     process, port, environment = source
     session = f"otel-kvcache-top-{os.getpid()}"
     exports = " ".join(f"{k}={v}" for k, v in environment.items() if k in (config.TOP_DIR, "PATH", "PYTHONPATH"))
-    command = f"env -u COLUMNS -u LINES TERM=xterm-256color {exports} {sys.executable} -m otel_kvcache.cli top"
+    command = f"env -u COLUMNS -u LINES TERM=xterm-256color {exports} {sys.executable} -m otel_kvcache.commands.cli top"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "60", command], check=True)
     try:
         screen = wait_for_screen(session, lambda s: "engine 1" in s and "sorted by blocks" in s and "Quit" in s)

@@ -13,7 +13,7 @@ import pytest
 
 import prefix_stream
 from otel_kvcache import names
-from otel_kvcache.whatif import SCALES
+from otel_kvcache.engine.whatif import SCALES
 
 TOLERANCE = 0.05
 CHECKED_SCALES = (0.5, 2.0, 4.0)
@@ -41,7 +41,7 @@ def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(make_en
     assert 0.5 < free_scale <= 1.0
 
     # The gate fails this load test when doubling the pool would gain more than it allows.
-    from otel_kvcache import gate
+    from otel_kvcache.commands import gate
 
     telemetry.write_otlp_json(tmp_path)
     gain = projected[2.0] - projected[1.0]

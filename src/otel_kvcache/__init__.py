@@ -46,18 +46,18 @@ from opentelemetry.metrics import get_meter
 from opentelemetry.trace import get_tracer
 
 from otel_kvcache import config
+from otel_kvcache import vllm_compat
+from otel_kvcache.engine.instruments import KVCacheInstruments
+from otel_kvcache.engine.live_snapshot import SnapshotPublisher
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.export import RequestExporter, RequestHistograms
-from otel_kvcache.hooks import LazyPatcher
-from otel_kvcache.drain import wait_for_helpers_at_exit
-from otel_kvcache.instruments import KVCacheInstruments
-from otel_kvcache.live_snapshot import SnapshotPublisher
+from otel_kvcache.export.drain import wait_for_helpers_at_exit
+from otel_kvcache.export.spans import RequestExporter, RequestHistograms
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.package import _instruments, _instruments_any
-from otel_kvcache.patch import build_wrappers, unpatch_connector_hooks
-from otel_kvcache.resource import handed_down_attributes
 from otel_kvcache.version import __version__
-from otel_kvcache import vllm_compat
+from otel_kvcache.wiring.hooks import LazyPatcher
+from otel_kvcache.wiring.patch import build_wrappers, unpatch_connector_hooks
+from otel_kvcache.wiring.resource import handed_down_attributes
 
 __all__ = ["VLLMKVCacheInstrumentor", "__version__"]
 
@@ -91,8 +91,8 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
             def exporter_for():
                 from opentelemetry.sdk.resources import PROCESS_PID
 
-                from otel_kvcache.exporter_process import ExporterProcess
-                from otel_kvcache.resource import process_attributes
+                from otel_kvcache.export.exporter_process import ExporterProcess
+                from otel_kvcache.wiring.resource import process_attributes
 
                 # The helper speaks for this EngineCore: same role, same pid.
                 return ExporterProcess(

@@ -25,12 +25,12 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import CallbackOptions, Observation, get_meter
 
 from otel_kvcache import names
+from otel_kvcache import config
 from otel_kvcache.gpu.allocator import AllocatorReading, TorchAllocatorSource
 from otel_kvcache.gpu.nvml import DeviceReading, NVMLSource
-from otel_kvcache import config
 from otel_kvcache.package import _instruments
-from otel_kvcache.resource import handed_down_attributes, process_role
 from otel_kvcache.version import __version__
+from otel_kvcache.wiring.resource import handed_down_attributes, process_role
 
 _logger = logging.getLogger(__name__)
 

@@ -1,0 +1,398 @@
+"""Per-engine and per-request KV accounting, driven by the wrappers in ``patch.py``.
+
+One ``EngineTelemetry`` lives beside each vLLM ``Scheduler`` (one per
+EngineCore, i.e. per data-parallel rank). Everything here runs on the engine
+thread, so it is written for the scheduler's hot loop:
+
+- nothing runs per scheduled request per step: a request is looked at when it
+  is admitted, preempted or released (its tally is made at its first
+  admission, or its first failed attempt), and a step costs, after
+  ``schedule()``, a clock read and a count of what the step's allocations
+  popped off the free queue (``PoolTracker.note_pops``); the chores (the
+  evictions those pops made, reconciliation, the hand-over to the exporter)
+  run when one is due;
+- counters are plain integers, and the pool's counts are read as they are,
+  by observable instruments on the metric reader's thread (``snapshot``);
+- a live request costs a tally, one flat array of counts (``tally.py``),
+  not an SDK span. At release its bytes go to the exporter (``export/spans.py``),
+  which builds the span, in a helper process when the SDK was configured from
+  the environment.
+- whether instrumentation is suppressed (``suppress_instrumentation``) is asked
+  once per request, at release: the pool's accounting never pauses.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+
+from otel_kvcache import config, names
+from otel_kvcache.engine.attribution import Attribution
+from otel_kvcache.engine.bounds import cut, trace_headers_within
+from otel_kvcache.engine.leaks import Reconciler
+from otel_kvcache.engine.pool import PoolSnapshot, PoolTracker, snapshot_of
+from otel_kvcache.engine.tally import (
+    ADMITTED_BLOCKS,
+    ADMITTED_HIT_TOKENS,
+    ADMITTED_NS,
+    ADMITTED_POOL_FREE,
+    FREED,
+    INPUT_TOKENS,
+    LAST_STALL_STEP,
+    OUTPUT_TOKENS,
+    PEAK,
+    PERIOD_HIT_TOKENS,
+    STRETCH_START_BLOCKS,
+    STRETCH_START_NS,
+    STRETCH_START_TOKENS,
+    OCCUPANCY_BLOCK_NS,
+    PREEMPTIONS,
+    RECOMPUTED_TOKENS,
+    RELEASED_NS,
+    REQUEST_ID_LENGTH,
+    RELEASED_POOL_FREE,
+    START_NS,
+    STALLS,
+    STILL_HELD,
+    COLD_TOKENS,
+    EVICTED_TOKENS,
+    TURN_GAP_NS,
+    blank_tally,
+    close_admission_period,
+    count_period_hits,
+    hold,
+    stretch_block_ns,
+)
+from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
+from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.export.spans import RequestEnded, RequestExporter
+from otel_kvcache.vllm_compat import (
+    allocation_failed,
+    allocation_watch,
+    arrival_time_reader,
+    engine_index,
+    finish_reasons_by_status,
+    held_blocks_counter,
+    kv_bytes_per_block,
+    lookup_keys,
+    may_hold_null_blocks,
+    new_requests_reader,
+    prefix_cache_lookup_test,
+    request_being_scheduled,
+    resumed_request_ids_reader,
+    scheduler_block_size,
+    session_id_reader,
+    statuses_waiting_for_blocks,
+    trace_headers_reader,
+)
+
+if TYPE_CHECKING:
+    from otel_kvcache.engine.connectors import ConnectorTelemetry
+    from otel_kvcache.export.exporter_process import ExporterProcess
+
+
+class EngineTelemetry:
+    """KV telemetry of one scheduler: live requests' tallies, the pool tracker, counters."""
+
+    def __init__(
+        self,
+        scheduler: Any,
+        exporter: RequestExporter | ExporterProcess,
+        errors: InstrumentationErrors,
+    ) -> None:
+        manager = scheduler.kv_cache_manager
+        self.exporter = exporter
+        self.errors = errors
+        self.block_size: int = scheduler_block_size(scheduler)
+        self.attributes = {names.ENGINE_INDEX: engine_index(scheduler.vllm_config)}
+        self._attribute_items = tuple(self.attributes.items())  # as each finished request hands them over
+        self.pool = PoolTracker(manager.block_pool)
+        self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
+        self.requests: dict[str, array] = {}
+        """Live requests' tallies (``tally.py``), by request id."""
+        self.extra_events: dict[str, list[tuple]] = {}
+        """Live requests' events other than the first admission (preempted, resumed, stuck, zombie)."""
+        self._blank_tally = blank_tally(self.block_size, self.pool.limit)
+        self.step = 0
+        # Cumulative counters, exported by observable counters.
+        self.preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.allocation_stalls = 0
+        self.computed_tokens = 0
+        self.recomputed_tokens = 0
+        self.last_attempt: Any = None
+        """The step's last admission attempt, the only one that can stall (set by its hook, ``patch.py``)."""
+        self._watch_allocation = allocation_watch(scheduler.vllm_config)
+        self._schedule_frame: Any = None
+        """The running ``schedule()``'s frame, from the step's attempts until it returned."""
+        self.pending_hits: dict[str, int] = {}  # prefix-hit tokens of admissions under way, by request id
+        self.type_managers = tuple(
+            (type_manager, may_hold_null_blocks(type_manager))
+            for type_manager in manager.coordinator.single_type_managers
+        )
+        """Each KV cache group's manager, and whether its block lists may hold the null block."""
+        self.held_blocks = held_blocks_counter(self.type_managers)
+        """Blocks the KV manager holds for a request now, across all groups."""
+        self.scheduler_requests: dict[str, Any] = scheduler.requests
+        """vLLM's own live requests, by id: those still ours to account for."""
+        self._finish_reasons = finish_reasons_by_status()
+        self._waiting_for_blocks = statuses_waiting_for_blocks()
+        self._lookup_enabled = prefix_cache_lookup_test(manager)
+        self.trace_headers_of = trace_headers_reader()
+        self.value_limit = config.client_value_length_limit()
+        """The bound on what a client chooses, request ids and trace headers (``bounds.py``)."""
+        self.attribution = Attribution(scheduler, self.attributes, self.value_limit)
+        """Who holds the blocks: series by model, priority, tenant; sessions' turn gaps."""
+        self._session_of = session_id_reader()
+        self._arrival_of = arrival_time_reader()
+        self._new_requests_of = new_requests_reader()
+        self._resumed_ids_of = resumed_request_ids_reader()
+        self.reconciler = Reconciler(self, scheduler)
+        rate = config.whatif_sample_rate()
+        self.reuse = PrefixReuse(self.pool.limit, default_sample_rate(self.pool.limit) if rate is None else rate)
+        """Miss reasons and the what-if curve, fed by the lookups and the frees here."""
+        self.preempted_blocks: dict[str, int] = {}
+        """Blocks each preempted request gave back, until it runs again: demand the pool lacked."""
+        self.preempted_demand = 0
+        self._chores_due = 0.0
+        self.connectors: ConnectorTelemetry | None = None
+        """The KV connector's accounting, for an engine that has one (set by ``patch.py``)."""
+
+    # --- helpers ------------------------------------------------------------
+
+    def event(self, request_id: str, name: str, blocks: int, detail: Any) -> None:
+        """An event on the request's span to come, other than its first admission and its
+        release (which its tally holds), as ``FinishedRequest.events`` holds it."""
+        free = self.pool.queue.num_free_blocks  # BlockPool.get_num_free_blocks(), without the call
+        event = (name, time.time_ns(), blocks, detail, free, self.pool.limit - free)
+        self.extra_events.setdefault(request_id, []).append(event)  # rare: preemptions, findings
+
+    def reported_id(self, request_id: str) -> str:
+        """A request id as our records carry it: a client may choose it (``bounds.py``)."""
+        return cut(request_id, self.value_limit)
+
+    # --- request lifecycle ----------------------------------------------------
+
+    def _tally_of(self, request: Any) -> array:
+        """The request's tally, made at its first admission or failed attempt (a
+        streaming-input session's later chunks keep it)."""
+        tally = self.requests.get(request.request_id)
+        if tally is None:
+            tally = self.requests[request.request_id] = self._new_tally(request)
+        return tally
+
+    def _new_tally(self, request: Any) -> array:
+        tally = self._blank_tally[:]
+        tally[START_NS] = int(self._arrival_of(request) * 1e9)
+        return tally
+
+    def forget_departed(self) -> None:
+        """Drops what we hold for requests that left the scheduler without a release
+        (a path a future vLLM may add), so that our state stays bounded."""
+        live = self.scheduler_requests
+        for request_id in [rid for rid in self.requests if rid not in live]:
+            del self.requests[request_id]
+            self.extra_events.pop(request_id, None)
+        for request_id in [rid for rid in self.pending_hits if rid not in live]:
+            del self.pending_hits[request_id]
+        for request_id in [rid for rid in self.preempted_blocks if rid not in live]:
+            self.preempted_demand -= self.preempted_blocks.pop(request_id)
+        if self.connectors is not None:
+            self.connectors.forget_departed(live)
+
+    def on_admission_attempt(self, request: Any) -> None:
+        """After ``_get_local_prefix_cache_hit``: the step's latest admission attempt."""
+        self.last_attempt = request
+        if self._watch_allocation is not None:
+            self._schedule_frame = self._watch_allocation()
+
+    def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
+        """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
+        (vLLM's arguments, as it passes them)."""
+        self.pending_hits[request.request_id] = num_hits  # taken once the step's admissions are known
+        if self._lookup_enabled(request):  # vLLM's own test for counting the lookup
+            queried, block_size = request.num_tokens, self.block_size
+            self.prefix_cache_queries += queried
+            self.prefix_cache_hits += num_hits
+            used = self.pool.limit - self.pool.queue.num_free_blocks
+            keys = lookup_keys(request, block_size)
+            evicted, cold, _ = self.reuse.on_lookup(
+                keys, num_hits // block_size, block_size, queried, used, time.monotonic()
+            )
+            if evicted or cold:
+                tally = self._tally_of(request)
+                tally[EVICTED_TOKENS] += evicted
+                tally[COLD_TOKENS] += cold
+
+    def on_scheduled(self, output: Any) -> None:
+        """After ``schedule()``, once a step: the step's admissions, the attempt that
+        found no blocks (vLLM stops admitting there: only the last one can have),
+        what its allocations popped off the free queue; chores when due."""
+        for new_request in self._new_requests_of(output):
+            self._admitted(new_request.req_id)
+        for request_id in self._resumed_ids_of(output):
+            self._admitted(request_id)
+        attempt = self.last_attempt
+        if attempt is not None:
+            self.last_attempt = None
+            schedule_frame, self._schedule_frame = self._schedule_frame, None  # its locals go with it
+            # Not admitted (it would be running now), and not skipped or held back by vLLM.
+            if attempt.status in self._waiting_for_blocks and allocation_failed(schedule_frame):
+                self.on_stall(attempt)
+        if self.connectors is not None:
+            self.connectors.after_schedule()
+        self.step += 1
+        now = time.monotonic()
+        self.pool.note_pops(now)
+        self.reuse.on_demand(self.pool.limit - self.pool.queue.num_free_blocks, self.preempted_demand, now)
+        if now >= self._chores_due:
+            self._chores(now)
+
+    def _admitted(self, request_id: str) -> None:
+        """An admission opens a period; its prefix hits count when the period closes
+        (``tally.close_admission_period``: at a preemption, or in the exporter)."""
+        request = self.scheduler_requests[request_id]
+        tally = self._tally_of(request)
+        hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
+        held = self.held_blocks(request_id)
+        if tally[ADMITTED_NS] or tally[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
+            if self.preempted_blocks:
+                self.preempted_demand -= self.preempted_blocks.pop(request_id, 0)
+            hold(tally, time.time_ns(), request.num_computed_tokens, held)
+            count_period_hits(tally)
+            if held > tally[PEAK]:
+                tally[PEAK] = held
+            event = names.EVENT_RESUMED if tally[PREEMPTIONS] else names.EVENT_ADMITTED
+            self.event(request_id, event, held, hit_tokens)
+        else:  # the first admission's blocks count towards the peak in the exporter
+            tally[ADMITTED_NS] = tally[STRETCH_START_NS] = time.time_ns()
+            tally[ADMITTED_BLOCKS] = tally[STRETCH_START_BLOCKS] = held
+            tally[STRETCH_START_TOKENS] = request.num_computed_tokens  # this step's included
+            tally[ADMITTED_HIT_TOKENS] = hit_tokens
+            tally[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
+        tally[PERIOD_HIT_TOKENS] = hit_tokens
+
+    def on_stall(self, request: Any) -> None:
+        """The scheduler tried to give this request blocks in this step and found none."""
+        tally = self._tally_of(request)
+        if tally[LAST_STALL_STEP] == self.step:
+            return
+        tally[LAST_STALL_STEP] = self.step
+        tally[STALLS] += 1
+        self.allocation_stalls += 1
+
+    def before_preempt(self, request: Any) -> tuple[int, int, str | None]:
+        """Before ``_preempt_request``: a preemption inside ``schedule()`` makes room
+        for a request whose allocation failed, a stall of that request."""
+        stalled = request_being_scheduled()
+        if stalled is not None:
+            self.on_stall(stalled)
+        # None when vLLM preempted the very request it was scheduling (the lowest in priority).
+        preempted_for = stalled.request_id if stalled is not None and stalled is not request else None
+        return self.held_blocks(request.request_id), request.num_computed_tokens, preempted_for
+
+    def on_preempted(self, request: Any, before: tuple[int, int, str | None]) -> None:
+        released, computed, preempted_for = before
+        self.preempted_blocks[request.request_id] = released
+        self.preempted_demand += released
+        self.preemptions += 1
+        self.recomputed_tokens += computed
+        tally = self.requests.get(request.request_id)
+        if tally is None:
+            return
+        tally[PREEMPTIONS] += 1
+        tally[RECOMPUTED_TOKENS] += computed
+        close_admission_period(tally, released)
+        hold(tally, time.time_ns(), computed, 0)
+        detail = (computed, preempted_for, None)
+        if preempted_for is not None and (reported := self.reported_id(preempted_for)) is not preempted_for:
+            detail = (computed, reported, len(preempted_for))
+        self.event(request.request_id, names.EVENT_PREEMPTED, released, detail)
+        # The what-if curve last: a failure there costs it, not the span's event.
+        self.reuse.on_freed(reversed(request.block_hashes[: computed // self.block_size]))
+
+    def before_release(self, request: Any) -> int:
+        return self.held_blocks(request.request_id)
+
+    def on_released(self, request: Any, freed: int) -> None:
+        request_id = request.request_id
+        tally = self.requests.pop(request_id, None)
+        if self.preempted_blocks:  # released while preempted (aborted)
+            self.preempted_demand -= self.preempted_blocks.pop(request_id, 0)
+        if tally is None:  # never admitted nor stalled: aborted while waiting
+            tally = self._new_tally(request)
+        # The exporter closes the last admission period (tally.close_admission_period).
+        tally[FREED] = freed
+        tally[RELEASED_NS] = released_ns = time.time_ns()
+        if tally[STRETCH_START_NS]:  # its last stretch (the tally's other stretch fields are done with)
+            tally[OCCUPANCY_BLOCK_NS] += stretch_block_ns(tally, released_ns, request.num_computed_tokens)
+        tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
+        # Still attributed to the request after vLLM's free path: a leak, seen at once.
+        tally[STILL_HELD] = self.held_blocks(request_id)
+        tally[INPUT_TOKENS] = request.num_prompt_tokens
+        tally[OUTPUT_TOKENS] = request.num_output_tokens
+        self.computed_tokens += request.num_computed_tokens + tally[RECOMPUTED_TOKENS]
+        events = self.extra_events.pop(request_id, None) if self.extra_events else None
+        if self.pending_hits:  # looked up, then aborted while its remote KV was loading
+            self.pending_hits.pop(request_id, None)
+        connector = self.connectors.on_released(request_id) if self.connectors is not None else None
+        model, priority = self.attribution.request_ended(request, tally[OCCUPANCY_BLOCK_NS])
+        session_id = self._session_of(request)
+        if session_id is not None:
+            tally[TURN_GAP_NS] = self.attribution.sessions.turn_gap_ns(session_id, tally[START_NS], released_ns)
+        if is_instrumentation_enabled():
+            reported_id = self.reported_id(request_id)
+            if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
+                tally[REQUEST_ID_LENGTH] = len(request_id)
+            reported_session = None if session_id is None else cut(session_id, self.value_limit)
+            # Strings, bytes, and objects that exist already (vLLM's headers, our
+            # attributes): what the exporter holds until its next flush adds no object
+            # the garbage collector tracks (exporter_process.py).
+            self.exporter.request_ended(
+                RequestEnded(
+                    reported_id,
+                    trace_headers_within(self.trace_headers_of(request), self.value_limit),
+                    self._finish_reasons[request.status],
+                    tally.tobytes(),
+                    events,
+                    self._attribute_items,
+                    connector,
+                    (
+                        model,
+                        priority,
+                        reported_session,
+                        0 if reported_session is session_id else len(session_id),  # cut: its length
+                    ),
+                )
+            )
+        if not self.scheduler_requests:
+            # An idle engine takes no steps (an abort can free blocks then): look now.
+            self.pool.settle()
+            self.reconciler.run()
+            self.exporter.went_idle()
+        # The what-if curve last: a failure there costs it, not the span nor the idle pass.
+        if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
+            self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))
+
+    # --- chores and readings ---------------------------------------------------------
+
+    def _chores(self, now: float) -> None:
+        self.pool.settle_if_due(now)
+        self.reconciler.maybe_run(now)
+        self.exporter.flush_if_due(now)
+        self._chores_due = min(self.pool.due, self.reconciler.due, self.exporter.due)
+
+    def on_prefix_cache_reset(self, succeeded: bool) -> None:
+        """After ``reset_prefix_cache``: if it succeeded, no block holds a prefix."""
+        if succeeded:
+            self.pool.on_reset()
+            self.reuse.on_reset()
+
+    @property
+    def snapshot(self) -> PoolSnapshot:
+        """The pool now (read on the metric reader's thread, see ``PoolTracker.counts``)."""
+        return snapshot_of(*self.pool.counts(), self.pool.limit)

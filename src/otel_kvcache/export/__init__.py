@@ -1,0 +1,11 @@
+"""From a finished request's record to its span, mostly outside the engine.
+
+The engine thread hands each finished request over as a flat record
+(``spans.RequestEnded``) to ``exporter_process.ExporterProcess``, which marshals
+what it holds about once a second into a pipe to the helper process
+(``helper``). The helper builds the spans and request histograms
+(``spans.RequestExporter``) with an SDK configured from the same ``OTEL_*``
+environment, and exports them through a byte-bounded exporter (``bounded_export``);
+``drain`` keeps vLLM's shutdown from cutting the helper off. Code here that runs in
+the EngineCore process (``exporter_process``) never waits.
+"""

@@ -1,0 +1,469 @@
+"""The engine's side of the helper process that builds its spans (``helper.py``).
+
+``ExporterProcess`` lives in the EngineCore process: it holds each finished
+request (``RequestEnded`` fields) and each ``Finding`` as the engine hands it
+over, and every ``FLUSH_SECONDS`` (or when the engine goes idle) marshals what
+it holds, in one C loop, into one frame for the helper's stdin. Taking a
+record is one ``list.extend`` on the engine thread (marshalling each at
+release ran ``marshal``'s code cold, 4-5 us of a release). The fields are kept
+one after another in one list, not as a tuple each, so that a second's worth
+of records adds no objects for the garbage collector to count
+(``benchmarks/RESULTS.md`` has the numbers).
+
+The pipe is non-blocking and as large as Linux lets it be made
+(``PIPE_BYTES``); what it cannot take at once is written again
+``RETRY_SECONDS`` later. Nothing is ever waited for, and nothing is lost
+without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
+
+- ``pipe``: the helper fell more than ``MAX_BUFFERED_BYTES`` behind; a new
+  frame's records are dropped;
+- ``helper_died``: records written to a helper that then died before it
+  acknowledged them (it writes ``pid done failed`` lines back on its stdout
+  after each batch of frames), and those a dead helper that is not replaced would get.
+  A helper killed between sending a batch and saying so has those counted too:
+  the counter may count a batch that arrived, never miss one that did not;
+- ``export``: spans the helper's exporter refused or failed to send, as the
+  helper acknowledged them.
+
+An engine that goes idle takes no steps, so a thread of ours looks after the
+pipe in its stead (``went_idle``): every ``IDLE_SECONDS`` while records are
+unwritten or unacknowledged, it reads the helper's acknowledgements (counting
+the spans it failed to export) and writes what the pipe could not take. It
+sleeps on an event otherwise, and never runs while the engine steps.
+
+A helper that dies (its pipes close) is noticed at the next flush, at most
+``FLUSH_SECONDS`` later while the engine steps (``IDLE_SECONDS`` while it is
+idle), and replaced; after
+``MAX_DEATHS`` deaths within ``DEATHS_WINDOW_SECONDS`` the engine stops
+starting helpers, says so once, and counts what it would have sent.
+
+The helper is started through a tiny launcher that forks it and exits at
+once: the helper is no child of the EngineCore, in a session of its own, so
+vLLM's shutdown, which SIGKILLs the EngineCore's process tree, leaves it to
+export what it was handed (``helper.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import fcntl
+import io
+import json
+import logging
+import marshal
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from itertools import repeat
+from typing import Any, Iterator
+
+from otel_kvcache import names
+from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.export.drain import shared_lock
+from otel_kvcache.export.spans import Finding, RequestEnded
+from otel_kvcache.wiring.resource import PROCESS_ENVIRONMENT_VARIABLE
+
+_logger = logging.getLogger(__name__)
+
+# Well inside the SDK's own batching (the batch span processor exports every 5 s);
+# each write wakes the helper, tens of microseconds of the engine thread.
+FLUSH_SECONDS = 1.0
+# A second of a busy engine's records is a few hundred kB; the default pipe holds 64 kB.
+PIPE_BYTES = 1 << 20
+RETRY_SECONDS = 0.05
+IDLE_SECONDS = 0.5
+"""While the engine is idle with records outstanding: how often the pipe is looked after."""
+MAX_BUFFERED_BYTES = 8 << 20
+MAX_DEATHS = 3
+DEATHS_WINDOW_SECONDS = 60.0
+CLOSE_SECONDS = 5.0
+"""At the engine's exit, the most time spent handing the helper what is left."""
+# Version 2 writes no back-references, so it builds no hash table per call: half
+# the time of the default (measured a record at a time: 1.9 against 4.1 us).
+MARSHAL_VERSION = 2
+# A frame: its length, then marshalled records: finished requests' ``RequestEnded`` fields,
+# one after another in a list, then each ``Finding``'s as a tuple.
+_FRAME_HEADER = struct.Struct("<I")
+_FIELDS = len(RequestEnded._fields)
+HOOK = "exporter_process"
+"""The name our errors in the channel are counted under."""
+
+# Runs with ``-I -S`` (no site, no sitecustomize: a few milliseconds): forks the helper,
+# which the exec gives the whole environment back, and exits, so that the helper is
+# reparented away from the EngineCore's process tree.
+_LAUNCHER = """\
+import os, sys
+if os.fork() == 0:
+    os.execv(sys.executable, [sys.executable, "-m", "otel_kvcache.export.helper", *sys.argv[1:]])
+os._exit(0)
+"""
+
+
+class TelemetryLost(RuntimeError):
+    """Records lost between the engine and the exporter (counted by stage)."""
+
+
+class _Frame:
+    """A frame not yet wholly written to the helper: its bytes left and its records."""
+
+    __slots__ = ("unwritten", "records", "started")
+
+    def __init__(self, size: int, records: int) -> None:
+        self.unwritten = size
+        self.records = records
+        self.started = False
+        """Written in part: a helper that dies now has half of it, the next would get garbage."""
+
+
+class ExporterProcess:
+    """The engine's side of the pipe to its helper process."""
+
+    def __init__(self, handed_down: dict[str, Any], errors: InstrumentationErrors, dropped: Any) -> None:
+        self.errors = errors
+        self._dropped_counter = dropped
+        self._environment = dict(os.environ)
+        self._environment[PROCESS_ENVIRONMENT_VARIABLE] = json.dumps(handed_down)
+        # The helper runs our exporter only: it must not instrument itself.
+        disabled = self._environment.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
+        self._environment["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = ",".join(
+            filter(None, [disabled, "vllm_kvcache", "vllm_gpu"])
+        )
+        self._pending: list = []
+        """Finished requests' ``RequestEnded`` fields, one after another (flat)."""
+        self.request_ended = self._pending.extend
+        """Takes a finished request's ``RequestEnded`` fields until the next ``flush``:
+        one C call on the engine's hot path (see the module's docstring)."""
+        self._findings: list[tuple] = []
+        self._outgoing = bytearray()  # frames, not yet all written
+        self._frames: collections.deque[_Frame] = collections.deque()
+        self._deaths: list[float] = []
+        self._gave_up = False
+        self.due = time.monotonic() + FLUSH_SECONDS
+        self.dropped = 0
+        """Records lost so far, all stages together."""
+        self._lock = threading.Lock()
+        """Held by whoever looks after the pipe: the engine thread, or the idle thread."""
+        self._idle = threading.Event()
+        self._closed = False
+        self._start_helper()
+        threading.Thread(target=self._look_after_the_pipe_while_idle, name="otel-kvcache-idle", daemon=True).start()
+        atexit.register(self.close)
+
+    # --- the helper ---------------------------------------------------------------
+
+    def _start_helper(self) -> None:
+        lock = shared_lock()  # vLLM's first process waits, at its exit, while the helper holds it
+        try:
+            self._launcher = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self._environment,
+                close_fds=True,
+                pass_fds=() if lock is None else (lock,),
+                start_new_session=True,  # not in the engine's process group: a Ctrl-C is not for it
+            )
+        finally:
+            if lock is not None:
+                os.close(lock)  # the helper's copy keeps the lock
+        self._fd = self._launcher.stdin.fileno()
+        self._acks_fd = self._launcher.stdout.fileno()
+        os.set_blocking(self._fd, False)
+        os.set_blocking(self._acks_fd, False)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (AttributeError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size
+            pass
+        self._acks = b""
+        self.helper_pid: int | None = None
+        """The helper's process id, once it has said it (its first acknowledgement)."""
+        self._sent = 0  # records in frames wholly written to this helper
+        self._done = 0  # records it acknowledged: exported, or counted as failed
+        self._failed = 0  # spans its exporter failed to send, as acknowledged
+        self._failed_counted = 0
+
+    def _read_acknowledgements(self) -> bool:
+        """Takes what the helper said; False once its stdout closed (it exited)."""
+        alive = True
+        try:
+            while chunk := os.read(self._acks_fd, 4096):
+                self._acks += chunk
+            alive = False  # end of file
+        except BlockingIOError:
+            pass
+        *lines, self._acks = self._acks.split(b"\n")
+        if lines:
+            self.helper_pid, self._done, self._failed = map(int, lines[-1].split())  # each is cumulative
+            if self._failed > self._failed_counted:
+                self._drop(self._failed - self._failed_counted, names.STAGE_EXPORT)
+                self._failed_counted = self._failed
+        if self._launcher.returncode is None:
+            self._launcher.poll()  # reaps the launcher, which exits once it has forked
+        return alive
+
+    @property
+    def in_flight(self) -> int:
+        """Records written to the helper that it has not yet acknowledged as done."""
+        return self._sent - self._done
+
+    def _helper_died(self) -> None:
+        """Counts what the dead helper took with it, reaps the launcher, starts a new
+        helper (unless too many died lately) for the frames not yet written."""
+        self._read_acknowledgements()  # its last words
+        lost = self._sent - self._done
+        if self._frames and self._frames[0].started:
+            partial = self._frames.popleft()
+            del self._outgoing[: partial.unwritten]
+            lost += partial.records
+        if lost:
+            self._drop(lost, names.STAGE_HELPER_DIED)
+        for stream in (self._launcher.stdin, self._launcher.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        self._launcher.wait()  # the launcher exits at once: the helper is not our child
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < DEATHS_WINDOW_SECONDS] + [now]
+        if len(self._deaths) >= MAX_DEATHS:
+            self._give_up(f"died {len(self._deaths)} times within {DEATHS_WINDOW_SECONDS:.0f} s")
+            return
+        _logger.warning("otel-kvcache: the span helper process died; starting a new one (%d records lost)", lost)
+        try:
+            self._start_helper()
+        except OSError as exc:  # no process could be started (out of memory, of descriptors)
+            self._give_up(f"died and could not be started again ({exc})")
+
+    def _give_up(self, why: str) -> None:
+        self._gave_up = True
+        _logger.error(
+            "otel-kvcache: the span helper process %s; this engine starts no more, and counts its "
+            "requests' spans as dropped (%s)",
+            why,
+            names.TELEMETRY_DROPPED,
+        )
+        unsent = sum(frame.records for frame in self._frames)
+        if unsent:
+            self._drop(unsent, names.STAGE_HELPER_DIED)
+        self._frames.clear()
+        self._outgoing.clear()
+
+    # --- the hand-over -----------------------------------------------------------
+
+    def finding(self, finding: Finding) -> None:
+        self._findings.append(tuple(finding))
+        self.flush()
+
+    def flush_if_due(self, now: float) -> None:
+        """Sends what is pending every ``FLUSH_SECONDS``, and what the pipe could not
+        take every ``RETRY_SECONDS`` (the engine calls when ``due``)."""
+        if now >= self.due:
+            self._idle.clear()  # stepping: the engine looks after the pipe itself
+            self.flush()
+            self.due = now + (RETRY_SECONDS if self._outgoing else FLUSH_SECONDS)
+
+    def went_idle(self) -> None:
+        """The engine has no request left: hands over what is pending, and has the idle
+        thread read the acknowledgements and write the rest until nothing is outstanding."""
+        self.flush()
+        if self._outgoing or self.in_flight:
+            self._idle.set()
+
+    def _look_after_the_pipe_while_idle(self) -> None:
+        while True:
+            self._idle.wait()
+            time.sleep(IDLE_SECONDS)
+            with self._lock:
+                if self._closed:
+                    return
+                if not self._idle.is_set():  # the engine steps again
+                    continue
+                self._take_acknowledgements()
+                self._write_outgoing()
+                if not (self._outgoing or self.in_flight) or self._gave_up:
+                    self._idle.clear()
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._closed:  # records handed over after the exit's hand-over: never sent
+                self._drop(len(self._pending) // _FIELDS + len(self._findings), names.STAGE_PIPE)
+                self._pending.clear()
+                self._findings.clear()
+                return
+            self._take_acknowledgements()
+            self._hand_over_pending()
+
+    def _take_acknowledgements(self) -> None:
+        """Reads what the helper said, replacing it if it died."""
+        if not self._gave_up and not self._read_acknowledgements():
+            self._helper_died()
+
+    def _write_outgoing(self) -> None:
+        if self._outgoing and self._write_what_fits() < 0:
+            self._helper_died()
+            if not self._gave_up:
+                self._write_what_fits()  # to the new helper
+
+    def _hand_over_pending(self) -> None:
+        pending, findings = self._pending, self._findings
+        if pending or findings:
+            if self._gave_up:
+                self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_HELPER_DIED)
+            elif len(self._outgoing) > MAX_BUFFERED_BYTES:  # the helper is that far behind
+                self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_PIPE)
+            else:
+                frame, count = self._marshalled(pending, findings)
+                self._outgoing += _FRAME_HEADER.pack(len(frame))
+                self._outgoing += frame
+                self._frames.append(_Frame(_FRAME_HEADER.size + len(frame), count))
+            pending.clear()
+            findings.clear()
+        self._write_outgoing()
+
+    def _marshalled(self, ended_fields: list, findings: list[tuple]) -> tuple[bytes, int]:
+        """A frame: the finished requests' fields as one flat list, then the findings,
+        each marshalled in one C call; and how many records it holds. A request with
+        a value marshal cannot write is written again with its trace headers as
+        plain strings, or else dropped (and counted), not the frame."""
+        written = len(ended_fields) // _FIELDS
+        try:
+            frame = [marshal.dumps(ended_fields, MARSHAL_VERSION)] if ended_fields else []
+        except ValueError:  # e.g. a trace header in a str subclass
+            frame = []
+            for start in range(0, len(ended_fields), _FIELDS):
+                try:
+                    fields = _with_plain_headers(ended_fields[start : start + _FIELDS])
+                    frame.append(marshal.dumps(fields, MARSHAL_VERSION))
+                except ValueError:
+                    self._drop(1, names.STAGE_PIPE)
+                    written -= 1
+        frame.extend(map(marshal.dumps, findings, repeat(MARSHAL_VERSION)))
+        return b"".join(frame), written + len(findings)
+
+    def _write_what_fits(self) -> int:
+        """Bytes of ``_outgoing`` the pipe took, until it is full; -1 if the helper is gone."""
+        written = 0
+        with memoryview(self._outgoing) as pending:
+            try:
+                while written < len(pending):
+                    written += os.write(self._fd, pending[written:])
+            except BlockingIOError:
+                pass
+            except OSError:
+                written = -1
+        if written > 0:
+            del self._outgoing[:written]
+            self._note_written(written)
+        return written
+
+    def _note_written(self, written: int) -> None:
+        frames = self._frames
+        while frames and written >= frames[0].unwritten:
+            written -= frames[0].unwritten
+            self._sent += frames.popleft().records
+        if frames and written:
+            frames[0].unwritten -= written
+            frames[0].started = True
+
+    def _drop(self, count: int, stage: str) -> None:
+        self.dropped += count
+        try:
+            self._dropped_counter.add(count, {names.STAGE: stage})
+        except Exception:  # noqa: BLE001 - a broken SDK must not reach vLLM
+            pass
+        self.errors.count(HOOK, TelemetryLost(f"{count} records lost at {stage}; {self.dropped} so far"), count)
+
+    def close(self, wait: float = 0.0) -> bool:
+        """At exit: hand the helper everything pending within ``CLOSE_SECONDS``, then close
+        its stdin (it exports and exits on its own); ``wait`` seconds more for it to exit,
+        reading its acknowledgements. Not waiting, the engine reads no more of them: the
+        helper counts what it fails to export from then on. Whether it exited (False if
+        not waited for)."""
+        with self._lock:
+            self._closed = True
+            self._idle.set()  # the idle thread ends
+            stdin = self._launcher.stdin
+            if stdin is None or stdin.closed or self._gave_up:
+                return False
+            self._take_acknowledgements()
+            self._hand_over_pending()
+            deadline = time.monotonic() + CLOSE_SECONDS
+            while self._outgoing and time.monotonic() < deadline:
+                select.select([], [self._fd], [], max(0.0, deadline - time.monotonic()))
+                if self._write_what_fits() < 0:
+                    break
+            if self._outgoing:
+                self._drop(sum(frame.records for frame in self._frames), names.STAGE_PIPE)
+            try:
+                stdin.close()
+            except OSError:
+                pass
+            self._launcher.wait()
+        if wait:
+            return self.wait_for_helper(wait)
+        self._read_acknowledgements()
+        self._launcher.stdout.close()  # the helper's next acknowledgement finds the pipe broken
+        return False
+
+    def wait_for_helper(self, timeout: float) -> bool:
+        """Whether the helper exited (its stdout closed) within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._read_acknowledgements():
+                return True
+            select.select([self._acks_fd], [], [], max(0.0, deadline - time.monotonic()))
+        return False
+
+
+def _with_plain_headers(fields: list) -> list:
+    """A ``RequestEnded`` record's fields with its trace headers as a dict of plain strings."""
+    if fields[1]:
+        fields[1] = {str(name): str(value) for name, value in fields[1].items()}
+    return fields
+
+
+def read_batches(fd: int) -> Iterator[list[RequestEnded | Finding]]:
+    """The records (``RequestEnded`` or ``Finding``) of every whole frame the engine has written by now, a batch at a time,
+    until the pipe closes (``helper.py``). An engine that goes idle after each request
+    hands over a frame per request: read together, they make one export, not one each,
+    so that a slow collector costs the helper one export's time per batch, not per request."""
+    buffer = bytearray()
+    open_ = True
+    while open_:
+        chunk = os.read(fd, PIPE_BYTES)  # waits for the engine
+        open_ = bool(chunk)
+        buffer += chunk
+        while open_ and select.select([fd], [], [], 0)[0]:  # and whatever else is there already
+            chunk = os.read(fd, PIPE_BYTES)
+            open_ = bool(chunk)
+            buffer += chunk
+        records, taken = _whole_frames(buffer)
+        del buffer[:taken]
+        if records:
+            yield records
+
+
+def _whole_frames(buffer: bytearray) -> tuple[list, int]:
+    """The records of the whole frames at the start of ``buffer``, and their bytes."""
+    records, position = [], 0
+    while len(buffer) - position >= _FRAME_HEADER.size:
+        (length,) = _FRAME_HEADER.unpack_from(buffer, position)
+        end = position + _FRAME_HEADER.size + length
+        if end > len(buffer):
+            break
+        frame = io.BytesIO(buffer[position + _FRAME_HEADER.size : end])
+        while frame.tell() < length:
+            fields = marshal.load(frame)
+            if type(fields) is list:  # finished requests' fields, one after another
+                records.extend(
+                    RequestEnded._make(fields[start : start + _FIELDS]) for start in range(0, len(fields), _FIELDS)
+                )
+            else:  # a finding's fields
+                records.append(Finding._make(fields))
+        position = end
+    return records, position

@@ -1,0 +1,13 @@
+"""How otel-kvcache gets into vLLM, in each of vLLM's processes.
+
+- ``hooks`` puts wrappers on vLLM's methods, named by role in
+  ``otel_kvcache.vllm_compat.HOOK_POINTS``; ``patch`` builds them (small factories,
+  one per role) and ``signatures`` gives a hot one the exact parameters of the
+  method it replaces.
+- ``propagation`` carries the caller's trace context and baggage from the API
+  server to the engine, inside vLLM's own request.
+- ``plugin`` (plain ``vllm serve``) and ``distro`` (``opentelemetry-instrument``)
+  start it all; ``resource`` names each process (API server, EngineCore, worker).
+
+Nothing here is on the engine thread's per-step path but the wrappers ``patch`` builds.
+"""

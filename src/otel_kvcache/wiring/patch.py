@@ -1,0 +1,352 @@
+"""Wrapper factories, one per role in ``vllm_compat.HOOK_POINTS``.
+
+Every wrapper calls vLLM's original exactly once, lets vLLM's exceptions
+through unchanged, and runs our code in guarded blocks whose failures are
+counted and logged once per kind. Objects built before ``instrument()`` carry
+no telemetry and pass straight through.
+
+Two shapes, by the hook point's ``hot`` flag:
+
+- hot (the engine loop's, a few calls a step): the factory returns a
+  *method builder*, ``build(original) -> method``; the method replaces vLLM's
+  on the class and calls ``original`` itself, a plain function that takes the
+  instance first (``hooks.as_vllm_calls_it``). Each is written as a closure
+  taking ``(self, *args, **kwargs)`` and given vLLM's exact parameters by
+  ``signatures.method_like``, so that vLLM's call sites stay specialized;
+- cold (start-up, the API server): a wrapt wrapper,
+  ``wrapper(wrapped, instance, args, kwargs)``.
+
+Our functions get vLLM's arguments as vLLM passed them, so their parameters
+carry vLLM's names.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from types import MethodType
+from typing import Any
+
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+
+from otel_kvcache.engine.connectors import ConnectorTelemetry
+from otel_kvcache.engine.instruments import KVCacheInstruments
+from otel_kvcache.engine.live_snapshot import SnapshotPublisher
+from otel_kvcache.engine.pool import PoolTracker
+from otel_kvcache.engine.telemetry import EngineTelemetry
+from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.version import __version__
+from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, engine_index, free_queue
+from otel_kvcache.vllm_compat.kv_transfer import kv_connector
+from otel_kvcache.vllm_compat.survey import start_up
+from otel_kvcache.wiring.hooks import Wrapper, as_vllm_calls_it
+from otel_kvcache.wiring.propagation import (
+    attach_trace_context_wrapper,
+    recover_trace_headers_wrapper,
+    remember_trace_headers_wrapper,
+)
+from otel_kvcache.wiring.resource import name_child_process_wrapper
+from otel_kvcache.wiring.signatures import method_like
+
+_vllm_log = logging.getLogger("vllm.otel_kvcache")
+
+ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
+"""Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue."""
+
+ExporterFactory = Callable[[], Any]
+"""Returns the exporter a new engine hands its finished requests to (``export/spans.py``)."""
+MethodBuilder = Callable[[Callable[..., Any]], Callable[..., Any]]
+EngineMethod = Callable[..., Any]
+"""An ``EngineTelemetry`` function, called with the engine first."""
+
+
+def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
+    """After vLLM's call, ``on_call(engine, <vLLM's arguments>)``."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:  # None: built before instrument()
+                try:
+                    on_call(engine, *args, **kwargs)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def _after_first(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
+    """After vLLM's call, ``on_call(engine, <vLLM's first argument>)``: for a method whose
+    later parameters vary between vLLM releases and are none of ours."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    on_call(engine, args[0])
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMethod) -> MethodBuilder:
+    """After vLLM's call, ``on_result(engine, <vLLM's result>)``."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    on_result(engine, result)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
+    """Block-pool and free-queue hooks, with nothing to do after vLLM's call:
+    ``before(engine.pool, <vLLM's arguments>)``, a ``PoolTracker`` method."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    before(engine.pool, *args, **kwargs)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
+            return original(self, *args, **kwargs)
+
+        return method_like(original, method)
+
+    return build
+
+
+def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, after: EngineMethod) -> MethodBuilder:
+    """``state = before(engine, request)`` and ``after(engine, request, state)`` around
+    vLLM's call, given vLLM's request (the argument after the instance)."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is None:
+                return original(self, *args, **kwargs)
+            try:
+                first_argument = args[0]
+                state = before(engine, first_argument)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+                return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            try:
+                after(engine, first_argument, state)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+# --- per engine: the KV connector's hook points -------------------------------------
+#
+# Patched on one scheduler and its connector object (``CONNECTOR_HOOK_POINTS``) by
+# ``patch_connector_hooks``, each bound to that engine's ``ConnectorTelemetry``: no
+# lookup of the engine, and nothing at all on an engine without a connector. Each
+# calls what the class had when the engine started: a wrapper another tool puts on
+# the class later reaches engines started after it.
+
+
+def _bound_before(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
+    """``before(<vLLM's arguments>)``, then vLLM's call."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            try:
+                before(*args, **kwargs)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+            return original(self, *args, **kwargs)
+
+        return method_like(original, method)
+
+    return build
+
+
+def _bound_around(
+    hook: str, errors: InstrumentationErrors, before: Callable[..., Any], after: Callable[[Any], None]
+) -> MethodBuilder:
+    """``state = before(<vLLM's arguments>)``, vLLM's call, then ``after(state)`` unless state is None."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            try:
+                state = before(*args, **kwargs)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+                state = None
+            result = original(self, *args, **kwargs)
+            if state is not None:
+                try:
+                    after(state)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def _bound_after_first(hook: str, errors: InstrumentationErrors, after: Callable[[Any], None]) -> MethodBuilder:
+    """vLLM's call, then ``after(<vLLM's first argument>)``."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            try:
+                after(args[0])
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+            return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def _bound_result(hook: str, errors: InstrumentationErrors, on_result: Callable[[Any, Any], Any]) -> MethodBuilder:
+    """vLLM's call, then ``on_result(<vLLM's first argument>, result)``, which returns the
+    result vLLM gets (vLLM's own when ours fails)."""
+
+    def build(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            try:
+                return on_result(args[0], result)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+                return result
+
+        return method_like(original, method)
+
+    return build
+
+
+def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors: InstrumentationErrors) -> None:
+    """Binds the connector's hook points to this scheduler and its connector object.
+    A point the installed vLLM lacks is reported once by name, as the class-level ones are;
+    one we fail to bind is counted and left as vLLM's."""
+    builders = {
+        "connector_output": lambda hook: _bound_around(hook, errors, connectors.before_output, connectors.after_output),
+        "finished": lambda hook: _bound_after_first(hook, errors, connectors.on_finished),
+        "connector_allocated": lambda hook: _bound_before(hook, errors, connectors.on_allocated),
+        "connector_finished": lambda hook: _bound_result(hook, errors, connectors.on_request_finished),
+    }
+    connector = kv_connector(scheduler)
+    for point in CONNECTOR_HOOK_POINTS:
+        target = scheduler if point.owner == "Scheduler" else connector
+        original = getattr(type(target), point.method, None)
+        if original is None:  # a connector without several KV-cache groups has no request_finished_all_groups
+            if point.owner != "SupportsHMA":
+                _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
+            continue
+        try:
+            method = builders[point.role](point.qualname)(as_vllm_calls_it(original))
+            bound = MethodType(functools.wraps(original)(method), target)
+            setattr(target, point.method, bound)
+        except Exception as exc:  # noqa: BLE001 - e.g. a connector whose parameters we cannot copy
+            errors.count(point.qualname, exc)
+            continue
+        connectors.patched.append((target, point.method, bound))
+
+
+def unpatch_connector_hooks(connectors: ConnectorTelemetry) -> None:
+    """Takes our bound methods off the scheduler and its connector (``uninstrument()``)."""
+    for target, method, bound in connectors.patched:
+        if vars(target).get(method) is bound:
+            delattr(target, method)
+    connectors.patched.clear()
+
+
+def scheduler_init_wrapper(
+    hook: str,
+    exporter_for: ExporterFactory,
+    instruments: KVCacheInstruments,
+    errors: InstrumentationErrors,
+    publisher: SnapshotPublisher | None,
+) -> Wrapper:
+    def wrapper(wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        if not is_instrumentation_enabled():
+            return
+        engine = None
+        try:
+            # In vLLM's own log (its logger's handler), where an operator looks at start-up:
+            # on an unverified release, or with anything missing, a warning naming each gap.
+            start = start_up(engine_index(instance.vllm_config))
+            (_vllm_log.warning if start.warn else _vllm_log.info)("otel-kvcache %s: %s", __version__, start.line)
+            if not start.ready:  # what is missing is named in that line, with what it costs
+                return
+            engine = EngineTelemetry(instance, exporter_for(), errors)
+            if kv_connector(instance) is not None:
+                engine.connectors = ConnectorTelemetry(engine, instance)
+                patch_connector_hooks(instance, engine.connectors, errors)
+            manager = instance.kv_cache_manager
+            for owner in (instance, manager, manager.block_pool, free_queue(manager.block_pool)):
+                setattr(owner, ENGINE_ATTRIBUTE, engine)
+            instruments.engines.add(engine)  # its gauges are read once its hooks feed it
+            if publisher is not None:
+                publisher.add(engine)
+        except Exception as exc:  # noqa: BLE001
+            errors.count(hook, exc)
+            if engine is not None and engine.connectors is not None:  # leave vLLM's methods as they were
+                unpatch_connector_hooks(engine.connectors)
+
+    return wrapper
+
+
+def build_wrappers(
+    exporter_for: ExporterFactory,
+    instruments: KVCacheInstruments,
+    errors: InstrumentationErrors,
+    publisher: SnapshotPublisher | None = None,
+) -> dict[str, Callable[[str], Wrapper | MethodBuilder]]:
+    """Role -> a factory taking the hook's name; factories run only once vLLM is imported
+    (the engine's and the pool's functions are looked up then: replacing one later has no effect)."""
+    Engine, Pool = EngineTelemetry, PoolTracker  # noqa: N806 - short names for the table
+    return {
+        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors, publisher),
+        "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
+        "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
+        "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),
+        "admission_attempt": lambda hook: _after_first(hook, errors, Engine.on_admission_attempt),
+        "prefix_lookup": lambda hook: _after_call(hook, errors, Engine.on_prefix_cache_lookup),
+        "evict_blocks": lambda hook: _tracking_pool(hook, errors, Pool.before_evicting),
+        "queue_prepend": lambda hook: _tracking_pool(hook, errors, Pool.before_prepending),
+        "queue_append": lambda hook: _tracking_pool(hook, errors, Pool.on_appending),
+        "touch": lambda hook: _tracking_pool(hook, errors, Pool.on_touching),
+        "unpin": lambda hook: _tracking_pool(hook, errors, Pool.before_unpinning),
+        "reset_prefix_cache": lambda hook: _after_result(hook, errors, Engine.on_prefix_cache_reset),
+        "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
+        "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
+        "recover_trace_headers": lambda hook: recover_trace_headers_wrapper(hook, errors),
+        "name_child_process": lambda hook: name_child_process_wrapper(hook, errors),
+    }

@@ -1,11 +1,13 @@
-"""Renders the Grafana dashboard's panels from real data, as a picture for the README.
+"""Renders the Grafana dashboard's panels from real data, as one picture.
 
     python scripts/render_dashboard.py docs/dashboard.png   # needs matplotlib and Debian's prometheus
 
 Runs tests/metrics_source.py (an instrumented engine under load; the GPU view
 on the tests' fakes), lets a real Prometheus scrape it for a couple of
 minutes, then draws every panel of deploy/grafana/dashboards/vllm-kv-cache.json
-with the panel's own PromQL, through Prometheus's query_range API.
+with the panel's own PromQL, through Prometheus's query_range API. The device's
+series (NVML, torch's allocator) come from those fakes here: they are left out,
+never drawn as if measured, and their panels say so.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ sys.path.insert(0, str(REPO))
 from demo.prometheus import PrometheusServer, wait_for_url  # noqa: E402
 from demo.server import free_port  # noqa: E402
 
+DEVICE_SERIES = ("hw_gpu_", "vllm_gpu_", "vllm_torch_")
+"""Metric name prefixes of the device's and the allocator's views (``names.py``)."""
+
 
 def main(output: str, seconds: int = 150) -> None:
     dashboard = json.loads((REPO / "deploy/grafana/dashboards/vllm-kv-cache.json").read_text())
@@ -42,7 +47,11 @@ def main(output: str, seconds: int = 150) -> None:
             panels = dashboard["panels"]
             figure, axes = plt.subplots((len(panels) + 1) // 2, 2, figsize=(16, 3.2 * ((len(panels) + 1) // 2)))
             for ax, panel in zip(axes.flat, panels):
+                title = panel["title"]
                 for target in panel["targets"]:
+                    if any(device in target["expr"] for device in DEVICE_SERIES):
+                        title = f"{title} (no GPU here: the device's series left out)"
+                        continue
                     query = target["expr"].replace("$__rate_interval", "20s").replace("$engine", ".*")
                     for series in prom.api("query_range", query=query, start=start, end=end, step=2)["result"]:
                         times = [float(t) - start for t, _ in series["values"]]
@@ -51,7 +60,7 @@ def main(output: str, seconds: int = 150) -> None:
                         for key, value in series["metric"].items():
                             label = label.replace("{{" + key + "}}", value)
                         ax.plot(times, values, label=label, linewidth=1.2)
-                ax.set_title(panel["title"], fontsize=10)
+                ax.set_title(title, fontsize=10)
                 ax.set_xlabel("seconds", fontsize=8)
                 ax.tick_params(labelsize=8)
                 ax.legend(fontsize=7, loc="upper left")

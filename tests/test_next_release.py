@@ -24,7 +24,6 @@ from engine_harness import EngineHarness
 from harness.scheduler import make_scheduler
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names, vllm_compat
-
 from otel_kvcache.commands import doctor
 from otel_kvcache.vllm_compat import internals
 from otel_kvcache.vllm_compat.versions import installed_vllm

@@ -1,6 +1,6 @@
 """The README against the code: its configuration table is every setting with the default the
-code uses, its reference tables use the names module's names, and its links (and the design
-page's) lead to files."""
+code uses, the reference tables (``docs/telemetry.md``) use the names module's names, and the
+links of the README and every page in ``docs/`` lead to files."""
 
 from __future__ import annotations
 
@@ -14,15 +14,14 @@ import pytest
 from opentelemetry.sdk.resources import SERVICE_NAME
 
 from otel_kvcache import config, names
-
 from otel_kvcache.export import drain
-
 from otel_kvcache.wiring import resource
 
 pytestmark = pytest.mark.vllm_independent  # the same on every vLLM: tested in the default environment
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+REFERENCE = ROOT / "docs" / "telemetry.md"
 PACKAGE = ROOT / "src" / "otel_kvcache"
 PREFIX = "OTEL_KVCACHE_"
 
@@ -164,8 +163,8 @@ def test_every_choice_of_a_setting_is_in_its_row():
 
 
 def reference_names() -> list[str]:
-    """The names in the first column of every table under "What you get"."""
-    return [name for table in tables(section("What you get")) for row in table for name in code_spans(row[0])]
+    """The names in the first column of every table of the reference page."""
+    return [name for table in tables(REFERENCE.read_text()) for row in table for name in code_spans(row[0])]
 
 
 def metric_names() -> set[str]:

@@ -17,7 +17,6 @@ from headless_chromium import open_and_check
 from otlp_files import T0, Run, kv_span, metrics_request, traces_request, write_lines
 
 from otel_kvcache import names
-
 from otel_kvcache.commands import cli
 from otel_kvcache.commands.report.buckets import TimeBuckets
 from otel_kvcache.commands.report.request_charts import HOLDING, PREEMPTED, WAITING, phases

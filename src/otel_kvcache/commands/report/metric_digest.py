@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from otel_kvcache import names
-
 from otel_kvcache.commands import gate
 from otel_kvcache.commands.report.buckets import TimeBuckets, TimeRange
 from otel_kvcache.commands.report.otlp_stream import LineCount, Point, points

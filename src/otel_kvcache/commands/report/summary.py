@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from otel_kvcache import names
-
 from otel_kvcache.commands import gate
 from otel_kvcache.commands.report.metric_digest import MetricDigest
 from otel_kvcache.commands.report.trace_digest import TraceDigest

@@ -1,6 +1,7 @@
 """What otel-kvcache costs vLLM's scheduler loop, in instructions: deterministic where time is not.
 
     python -m benchmarks.instructions [--steps N] [--workloads decode-heavy,churn,wide] [--cache-sim]
+    python -m benchmarks.instructions --without whatif,attribution,mirror,handover   # what each part costs
 
 ``tests/test_overhead_gate.py`` runs a shorter count of each workload through
 ``measure`` and fails when one exceeds its target.
@@ -82,7 +83,8 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
 
     os.environ["OTEL_KVCACHE_RECONCILE_SECONDS"] = str(10**9)
     chores = []
-    if variant == "otel":
+    instrumented = variant.startswith("otel")
+    if instrumented:
         from otel_kvcache.engine import live_snapshot, pool
         from otel_kvcache.export import exporter_process
 
@@ -99,21 +101,25 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     driver = Driver(workload)
     driver.top_up()
     driver.run(2 * workload.output_len)  # past the first wave: a steady mix of ages, as in benchmarks.overhead
-    if variant == "otel":  # as the metric reader would have by now (the what-if curve catches up there)
+    if instrumented and ":" in variant:  # otel-without:PARTS (--without)
+        from benchmarks.instrumented import empty
+
+        empty(variant.partition(":")[2])
+    if instrumented:  # as the metric reader would have by now (the what-if curve catches up there)
         meter_provider.force_flush()
     freeze_gc_heap()
     finished = driver.finished
 
     def window() -> None:
         driver.run(steps)
-        if variant == "otel":  # the chores of the window's steps, due once a second: done once, counted with them
+        if instrumented:  # the chores of the window's steps, due once a second: done once, counted with them
             engine = getattr(driver.scheduler, ENGINE_ATTRIBUTE)
             engine.pool.settle()
             engine.exporter.flush()
 
     _counted("window", window)
     print("FINISHED", driver.finished - finished, flush=True)
-    if variant == "otel":  # off the engine thread, each on its own timer: costed apart
+    if instrumented:  # off the engine thread, each on its own timer: costed apart
         from otel_kvcache import VLLMKVCacheInstrumentor
         from otel_kvcache.engine.snapshot_files import read_snapshots
 
@@ -199,6 +205,27 @@ def measure(workload_names: list[str], steps: int, seed: int = 0, cache_sim: boo
             yield outcome
 
 
+def take_apart(workload_name: str, steps: int, parts: list[str], seed: int = 0) -> list[dict]:
+    """What each part of the instrumentation costs the engine thread on ``workload_name``:
+    the instrumented count less that with the part emptied (``benchmarks.instrumented.EMPTIED_METHODS``),
+    per step and per request the full run finished."""
+    variants = ["base", "otel", *(f"otel-without:{part}" for part in parts)]
+    with ThreadPoolExecutor(2) as pool:
+        counts = dict(zip(variants, pool.map(lambda variant: count(variant, workload_name, steps, seed), variants)))
+    base, full = counts["base"]["instructions"], counts["otel"]
+    rows = [{"part": "everything", "instructions": full["instructions"] - base}]
+    for part in parts:
+        rows.append({"part": part, "instructions": full["instructions"] - counts[f"otel-without:{part}"]["instructions"]})
+    for row in rows:
+        row.update(
+            workload=workload_name,
+            per_step=row["instructions"] / steps,
+            per_finished_request=row["instructions"] / max(1, full["finished"]),
+            share_of_base=row["instructions"] / base,
+        )
+    return rows
+
+
 def report(outcome: dict) -> str:
     name = outcome["workload"]
     lines = [
@@ -228,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-sim", action="store_true", help="also simulate the caches and estimate cycles (about 3x slower)"
     )
+    parser.add_argument(
+        "--without",
+        help="take apart: also count with each of these parts emptied, comma-separated "
+        "(mirror, records, whatif, attribution, handover: benchmarks.instrumented.EMPTIED_METHODS)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -238,6 +270,22 @@ def main(argv: list[str] | None = None) -> int:
     if not shutil.which("valgrind"):
         print(MISSING_VALGRIND, file=sys.stderr)
         return 2
+
+    if args.without:
+        results = []
+        for name in args.workloads.split(","):
+            for row in take_apart(name, args.steps, args.without.split(","), args.seed):
+                results.append(row)
+                print(
+                    f"{name:<14} {row['part']:<12} {row['per_step'] / 1e3:8.0f} k instructions/step "
+                    f"{row['per_finished_request'] / 1e3:6.1f} k per finished request "
+                    f"({100 * row['share_of_base']:.2f} % of vLLM's)",
+                    flush=True,
+                )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
 
     results = []
     for outcome in measure(args.workloads.split(","), args.steps, args.seed, args.cache_sim):

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import os
 
-# What --take-apart empties: the methods the hooks call into, by part.
+# What --take-apart and ``benchmarks.instructions --without`` empty, by part: the
+# methods the hooks call into, each with what it returns emptied.
 EMPTIED_METHODS = {
-    "mirror": (
-        "PoolTracker",
-        ("note_pops", "before_prepending", "on_appending", "on_touching", "before_unpinning", "settle"),
-    ),
-    "records": (
-        "EngineTelemetry",
-        ("on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released"),
-    ),
+    "mirror": {
+        "PoolTracker": dict.fromkeys(
+            ("note_pops", "before_prepending", "on_appending", "on_touching", "before_unpinning", "settle")
+        ),
+    },
+    "records": {
+        "EngineTelemetry": dict.fromkeys(("on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released")),
+    },
+    "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": (0, 0, 0), "on_demand": None}},
+    "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
+    "handover": {"ExporterProcess": {"flush": None}},
 }
 
 
@@ -73,13 +77,19 @@ def unhook() -> None:
 
 def empty(parts: str) -> None:
     """Leaves the named parts of the instrumentation's work out (``EMPTIED_METHODS``)."""
+    from otel_kvcache.engine.attribution import Attribution, SessionTable
     from otel_kvcache.engine.pool import PoolTracker
     from otel_kvcache.engine.telemetry import EngineTelemetry
+    from otel_kvcache.engine.whatif import PrefixReuse
+    from otel_kvcache.export.exporter_process import ExporterProcess
 
-    owners = {"EngineTelemetry": EngineTelemetry, "PoolTracker": PoolTracker}
+    owners = {
+        owner.__name__: owner
+        for owner in (Attribution, EngineTelemetry, ExporterProcess, PoolTracker, PrefixReuse, SessionTable)
+    }
     for part in parts.split(","):
-        owner_name, methods = EMPTIED_METHODS[part]
-        owner = owners[owner_name]
-        for method in methods:
-            getattr(owner, method)  # renamed since? then fail here, not measure nothing
-            setattr(owner, method, lambda *args, **kwargs: None)
+        for owner_name, methods in EMPTIED_METHODS[part].items():
+            owner = owners[owner_name]
+            for method, returned in methods.items():
+                getattr(owner, method)  # renamed since? then fail here, not measure nothing
+                setattr(owner, method, lambda *args, _returned=returned, **kwargs: _returned)

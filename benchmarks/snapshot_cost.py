@@ -26,7 +26,7 @@ def rounds_of(workload_name: str, rounds: int) -> dict:
     from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver, workloads
     from otel_kvcache import VLLMKVCacheInstrumentor
-    from otel_kvcache.commands.top import snapshot_files
+    from otel_kvcache.engine import snapshot_files
     from otel_kvcache.engine import live_snapshot
 
     live_snapshot.PUBLISH_SECONDS = 3600.0  # the rounds below are the only ones

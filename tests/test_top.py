@@ -14,7 +14,7 @@ from engine_harness import EngineHarness, KVTransfers, nixl_both
 from harness.scheduler import make_scheduler
 from otel_kvcache import VLLMKVCacheInstrumentor, config, names
 from otel_kvcache.commands.cli import main as cli
-from otel_kvcache.commands.top import snapshot_files
+from otel_kvcache.engine import snapshot_files
 from otel_kvcache.engine import live_snapshot
 
 TENANT = "tenant"

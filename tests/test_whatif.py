@@ -13,17 +13,30 @@ import pytest
 
 import prefix_stream
 from otel_kvcache import names
+from otel_kvcache.engine import whatif
 from otel_kvcache.engine.whatif import SCALES
 
 TOLERANCE = 0.05
 CHECKED_SCALES = (0.5, 2.0, 4.0)
 
 
-def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(make_engine, telemetry, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "most_pending",
+    [whatif.MOST_PENDING, 8],
+    ids=["caught-up-when-read", "caught-up-on-the-engine-thread"],
+)
+def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(
+    make_engine, telemetry, tmp_path, capsys, monkeypatch, most_pending
+):
+    # The curve's work waits for its reader; with nobody reading for long, the engine
+    # thread takes it in itself, every ``most_pending`` events: the same curve either way.
+    monkeypatch.setattr(whatif, "MOST_PENDING", most_pending)
     sizes = [int(scale * prefix_stream.POOL_BLOCKS) for scale in CHECKED_SCALES]
     with multiprocessing.get_context("spawn").Pool(2) as pool:  # uninstrumented: a process of their own
         measured = pool.map_async(prefix_stream.measured_hit_ratio, sizes)
         engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
+        waiting = len(engine.scheduler._otel_kvcache_engine.reuse._curve_events)
+        assert waiting <= most_pending, "the engine thread caught up once the bound was passed"
         measured = dict(zip(CHECKED_SCALES, measured.get(timeout=600)))
 
     projected = {p.attributes[names.POOL_SCALE]: p.value for p in telemetry.points(names.PROJECTED_HIT_RATIO)}

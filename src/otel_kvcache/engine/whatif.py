@@ -34,18 +34,18 @@ misses), a bigger pool admitting more requests at once (their blocks would
 take more room), and a hit stopping at the first missing block of a chain.
 
 Costs. On the engine thread, per freed or looked-up block, a set operation
-in C (the miss reasons' history), and per lookup, release and step an event
-appended to a deque. The curve's own work waits in that deque until the curve
-is read (``catch_up``: at metric collection, or a snapshot for ``otel-kvcache
-top``), off the engine thread: per block, a comparison in C
+in C (the miss reasons' history), and per lookup, release and step an event's
+fields appended to one flat list. The curve's own work waits in that list
+until the curve is read (``catch_up``: at metric collection, or a snapshot for
+``otel-kvcache top``), off the engine thread: per block, a comparison in C
 (``itertools.compress`` picks the sampled ones without a Python step per
 block; Python ``hash`` ints as keys cost twice the instructions of vLLM's own
 hash objects, ``benchmarks/RESULTS.md``), and per sampled block a ``bisect``
 and a deletion from a short list. Where nothing reads the curve for long, the
-engine thread catches up itself once ``MOST_PENDING_PER_BLOCK`` × pool events
-wait. Memory: the history above, the events waiting (each holds a list of
-references to vLLM's hashes), and the stack up to ``2 × max(SCALES)`` × pool ×
-``sample_rate`` blocks.
+engine thread catches up itself once ``MOST_PENDING`` entries wait, at the
+cost it would have paid event by event. Memory: the history above, the
+entries waiting (8 bytes each), and the stack up to ``2 × max(SCALES)`` ×
+pool × ``sample_rate`` blocks.
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ HISTORY_PER_BLOCK = 4
 WINDOW_SECONDS = 600.0
 """The curve and the peak demand are over the last ten minutes of lookups."""
 BUCKET_SECONDS = 10.0
-MOST_PENDING_PER_BLOCK = 4
-"""Events the curve may have yet to take in, per block of the pool, before the engine
-thread takes them in itself (where nothing reads the curve for long)."""
+MOST_PENDING = 1 << 20
+"""Entries (an event's fields, the hashes of its blocks) the curve may have yet to take
+in before the engine thread takes them in itself, where nothing reads the curve for
+long: 8 MB of references, about a minute of a busy engine's lookups and releases."""
 SAMPLED_BLOCKS = 256
 """By default, the sample rate keeps about this many sampled blocks per pool's worth."""
 
@@ -141,12 +142,15 @@ class _Window:
 
     def totals(self, now: float) -> array:
         total = array("d", bytes(8 * (3 + len(SCALES))))
-        for started, sums in list(self._buckets):  # one C call: the engine thread may append meanwhile
+        for started, sums in list(self._buckets):  # one C call: a catch-up elsewhere may append meanwhile
             if now - started <= WINDOW_SECONDS:
                 for index, value in enumerate(sums):
                     total[index] = max(total[index], value) if index == _PEAK else total[index] + value
         return total
 
+
+# The kinds of the events waiting for the curve.
+_LOOKUP, _FREED, _DEMAND, _RESET = range(4)
 
 # A window bucket's fields.
 _LOOKED_UP, _HIT, _PEAK, _GAIN = 0, 1, 2, 3
@@ -176,9 +180,11 @@ class PrefixReuse:
         its last holder lets go)."""
         self._depth_limit = int(max(SCALES) * pool_blocks * sample_rate) + 1
         self._window = _Window()
-        self._curve_events: deque[tuple] = deque()
-        """What vLLM did that the curve has yet to take in, in order (``catch_up``)."""
-        self._most_pending = max(MOST_PENDING_PER_BLOCK * pool_blocks, 4096)
+        self._curve_events: list = []
+        """What vLLM did that the curve has yet to take in, in order (``catch_up``): each
+        event's kind and fields one after another in one list, so that the events waiting
+        add no object for the garbage collector to count (a tuple and a list each had it
+        collect the young generation four times as often on churn)."""
         self._catching_up = threading.Lock()
         # Cumulative miss reasons, in tokens (observable counters).
         self.evicted_tokens = 0
@@ -194,7 +200,8 @@ class PrefixReuse:
         self._freed_lately.update(hashes)
         if len(self._freed_lately) >= self._generation:
             self._freed_before, self._freed_lately = self._freed_lately, set()
-        self._for_the_curve((self._curve_freed, (hashes,)))
+        self._curve_events.extend((_FREED, len(hashes), *hashes))
+        self._bound_the_wait()
 
     def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
                   used_blocks: int, now: float) -> tuple[int, int, int]:  # fmt: skip
@@ -211,32 +218,49 @@ class PrefixReuse:
         self.evicted_tokens += evicted
         self.cold_tokens += cold
         self.uncacheable_tokens += uncacheable
-        self._for_the_curve((self._curve_lookup, (keys, hit_blocks, block_size, queried_tokens, used_blocks, now)))
+        self._curve_events.extend((_LOOKUP, hit_blocks, block_size, queried_tokens, used_blocks, now, len(keys), *keys))
+        self._bound_the_wait()
         return evicted, cold, uncacheable
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
         """Blocks in use, and held by preempted requests waiting to run again."""
-        self._for_the_curve((self._curve_demand, (used_blocks + waiting_for_blocks, now)))
+        self._curve_events.extend((_DEMAND, used_blocks + waiting_for_blocks, now))
 
     def on_reset(self) -> None:
         """The prefix cache was emptied: no freed block is cached any more, at any size.
         (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
-        self._for_the_curve((self._curve_reset, ()))
+        self._curve_events.append(_RESET)
 
-    def _for_the_curve(self, event: tuple) -> None:
-        self._curve_events.append(event)
-        if len(self._curve_events) > self._most_pending:  # nobody reads: catch up here, now and then
+    def _bound_the_wait(self) -> None:
+        if len(self._curve_events) > MOST_PENDING:  # nobody reads: catch up here, now and then
             self.catch_up()
 
     # --- the curve, where it is read ------------------------------------------------
 
     def catch_up(self) -> None:
         """Takes what vLLM did since the last reading into the curve, in order."""
-        events = self._curve_events
         with self._catching_up:
-            while events:  # the engine thread appends meanwhile: taken now, or next time
-                work, arguments = events.popleft()
-                work(*arguments)
+            events = self._curve_events
+            end = len(events)  # whole events: each came in one call (the engine thread adds more meanwhile)
+            at = 0
+            while at < end:
+                kind = events[at]
+                if kind == _LOOKUP:
+                    hit_blocks, block_size, queried_tokens, used_blocks, now, count = events[at + 1 : at + 7]
+                    keys = events[at + 7 : at + 7 + count]
+                    self._curve_lookup(keys, hit_blocks, block_size, queried_tokens, used_blocks, now)
+                    at += 7 + count
+                elif kind == _FREED:
+                    count = events[at + 1]
+                    self._curve_freed(events[at + 2 : at + 2 + count])
+                    at += 2 + count
+                elif kind == _DEMAND:
+                    self._curve_demand(events[at + 1], events[at + 2])
+                    at += 3
+                else:
+                    self._curve_reset()
+                    at += 1
+            del events[:end]
 
     def _curve_freed(self, hashes: list) -> None:
         holders = self._holders

@@ -22,21 +22,29 @@ CHECKED_SCALES = (0.5, 2.0, 4.0)
 
 @pytest.mark.parametrize(
     "most_pending",
-    [whatif.MOST_PENDING, 8],
+    [1 << 62, 8],
     ids=["caught-up-when-read", "caught-up-on-the-engine-thread"],
 )
 def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(
     make_engine, telemetry, tmp_path, capsys, monkeypatch, most_pending
 ):
     # The curve's work waits for its reader; with nobody reading for long, the engine
-    # thread takes it in itself, every ``most_pending`` events: the same curve either way.
+    # thread takes some in at each step: the same curve either way.
     monkeypatch.setattr(whatif, "MOST_PENDING", most_pending)
+    engine_slices = []
+    catch_up = whatif.PrefixReuse.catch_up
+
+    def counting_catch_up(reuse, most=None, wait=True):
+        if most is not None:  # a slice the engine thread took in (keep_up)
+            engine_slices.append(most)
+        catch_up(reuse, most, wait)
+
+    monkeypatch.setattr(whatif.PrefixReuse, "catch_up", counting_catch_up)
     sizes = [int(scale * prefix_stream.POOL_BLOCKS) for scale in CHECKED_SCALES]
     with multiprocessing.get_context("spawn").Pool(2) as pool:  # uninstrumented: a process of their own
         measured = pool.map_async(prefix_stream.measured_hit_ratio, sizes)
         engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
-        waiting = len(engine.scheduler._otel_kvcache_engine.reuse._curve_events)
-        assert waiting <= most_pending, "the engine thread caught up once the bound was passed"
+        assert bool(engine_slices) == (most_pending == 8)  # the engine thread took slices in only when bound
         measured = dict(zip(CHECKED_SCALES, measured.get(timeout=600)))
 
     projected = {p.attributes[names.POOL_SCALE]: p.value for p in telemetry.points(names.PROJECTED_HIT_RATIO)}
@@ -176,3 +184,25 @@ def test_a_bounded_lookup_misses_nothing_past_its_bound(make_engine, telemetry):
     span = telemetry.span_by_request()["scored"].attributes
     assert span[names.CACHE_READ_INPUT_TOKENS] == hit
     assert span[names.PREFIX_EVICTED_TOKENS] == span[names.PREFIX_COLD_TOKENS] == 0
+
+
+def test_a_failing_curve_event_is_dropped_and_counted_and_vllm_runs_on(make_engine, telemetry, monkeypatch):
+    monkeypatch.setattr(whatif, "MOST_PENDING", 8)  # the engine thread takes events in at every step
+    taken = []
+    curve_lookup = whatif.PrefixReuse._curve_lookup
+
+    def fails_first(reuse, *args):
+        taken.append(args)
+        if len(taken) == 1:
+            raise RuntimeError("injected into the curve")
+        curve_lookup(reuse, *args)
+
+    monkeypatch.setattr(whatif.PrefixReuse, "_curve_lookup", fails_first)
+    engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
+
+    assert not engine.scheduler.has_requests()  # vLLM served the whole stream
+    [error] = telemetry.points(names.INSTRUMENTATION_ERRORS)
+    assert (error.attributes[names.HOOK], error.value) == ("Scheduler.schedule", 1)
+    assert len(taken) > 1  # the failed event went; the ones after it were taken in
+    # Each lookup taken in once, the failed one too: their tokens are vLLM's queries.
+    assert sum(queried_tokens for _, _, _, queried_tokens, _, _ in taken) == engine.truth.prefix_queries

@@ -191,7 +191,7 @@ def top_snapshot() -> str:
 
 
 def top_dir() -> str | None:
-    """The configured snapshot directory, or None for ``auto`` (``top.snapshot_files``)."""
+    """The configured snapshot directory, or None for ``auto`` (``engine.snapshot_files``)."""
     raw = os.environ.get(TOP_DIR, "").strip()
     if raw.lower() in ("", "auto"):
         return None

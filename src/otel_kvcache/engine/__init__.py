@@ -7,7 +7,7 @@ instruction is serving time. The rules there:
 - work per step is O(requests touched), never a scan over all blocks;
 - vLLM's exceptions pass through unchanged; ours are caught and counted;
 - nothing waits: a span is built elsewhere (``otel_kvcache.export``), from a record
-  handed over in one C call;
+  handed over in one C call (unless the instrumentor was given its providers in code);
 - what can wait for a reader waits for it: the what-if curve catches up when read,
   the fair shares are computed at collection.
 

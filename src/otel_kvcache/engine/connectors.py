@@ -42,14 +42,21 @@ from otel_kvcache.vllm_compat.kv_transfer import (
 )
 from otel_kvcache.wiring.propagation import remote_span_context, traceparent_for
 
-class Engine(Protocol):
-    """What the connector accounting reads and calls of its engine (``telemetry.EngineTelemetry``)."""
 
-    step: int
-    value_limit: int
-    scheduler_requests: Mapping[str, Any]
-    held_blocks: Callable[[str], int]
-    trace_headers_of: Callable[[Any], Mapping[str, str] | None]
+class Engine(Protocol):
+    """What the connector accounting reads and calls of its engine (``telemetry.EngineTelemetry``);
+    read-only here, so that the engine's own, narrower types match."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def value_limit(self) -> int: ...
+    @property
+    def scheduler_requests(self) -> Mapping[str, Any]: ...
+    @property
+    def held_blocks(self) -> Callable[[str], int]: ...
+    @property
+    def trace_headers_of(self) -> Callable[[Any], Mapping[str, str] | None]: ...
 
     def event(self, request_id: str, name: str, blocks: int, detail: Any) -> None: ...
 

@@ -27,17 +27,19 @@ reference, deferred frees) are never findings.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from array import array
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.connectors import ConnectorTelemetry
-from otel_kvcache.engine.pool import PoolTracker
 from otel_kvcache.engine.tally import PROGRESS_STEP, PROGRESS_TOKENS
 from otel_kvcache.export.spans import Finding, event_attributes, log_in_trace
 from otel_kvcache.vllm_compat import blocks_held_by_request, deferred_frees, real_blocks, running_status
+
+if TYPE_CHECKING:
+    from otel_kvcache.engine.connectors import ConnectorTelemetry
+    from otel_kvcache.engine.pool import PoolTracker
 
 
 class FindingsExporter(Protocol):
@@ -45,22 +47,34 @@ class FindingsExporter(Protocol):
 
 
 class Engine(Protocol):
-    """What reconciliation reads and calls of its engine (``telemetry.EngineTelemetry``)."""
+    """What reconciliation reads and calls of its engine (``telemetry.EngineTelemetry``);
+    read-only here, so that the engine's own, narrower types match."""
 
-    attributes: Mapping[str, Any]
-    block_size: int
-    step: int
-    pool: PoolTracker
-    connectors: ConnectorTelemetry | None
-    exporter: FindingsExporter
-    requests: dict[str, array]
-    scheduler_requests: Mapping[str, Any]
-    type_managers: Any
-    held_blocks: Callable[[str], int]
+    @property
+    def attributes(self) -> Mapping[str, Any]: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def pool(self) -> PoolTracker: ...
+    @property
+    def connectors(self) -> ConnectorTelemetry | None: ...
+    @property
+    def exporter(self) -> FindingsExporter: ...
+    @property
+    def requests(self) -> dict[str, array]: ...
+    @property
+    def scheduler_requests(self) -> Mapping[str, Any]: ...
+    @property
+    def type_managers(self) -> Any: ...
+    @property
+    def held_blocks(self) -> Callable[[str], int]: ...
 
     def event(self, request_id: str, name: str, blocks: int, detail: Any) -> None: ...
     def reported_id(self, request_id: str) -> str: ...
     def forget_departed(self) -> None: ...
+
 
 # The share of the engine thread reconciliation may take: after a pass that
 # took t, the next waits at least t / RECONCILE_BUDGET (a large pool's passes

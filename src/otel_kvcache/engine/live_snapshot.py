@@ -1,7 +1,7 @@
 """The live snapshot each engine publishes for ``otel-kvcache top``.
 
 One daemon thread per engine process, started with its first engine, writes each
-engine's snapshot (``top/snapshot_files.py`` says where, and how it is kept private) at
+engine's snapshot (``engine/snapshot_files.py`` says where, and how it is kept private) at
 most once a second, and at most ``BUDGET`` of the time: after a round that took t of the
 thread's own time (its waits for the GIL and the disk left out), the next waits at least
 t / ``BUDGET``, so a huge pool is published less often rather than at a greater cost. Under the GIL, the thread's time is time the engine thread may wait

@@ -2,7 +2,7 @@
 
 The engine keeps one per live request (``EngineTelemetry.requests``) and, when
 the request ends, hands its bytes to the exporter, which reads them back into
-a ``FinishedRequest`` (``export.finished_request``). Flat on purpose: a tally
+a ``FinishedRequest`` (``export.spans.finished_request``). Flat on purpose: a tally
 made of Python objects (a slotted object, its event list and tuples, an int
 object per large count) is a dozen small objects allocated at admission,
 scattered over the heap, all cold again when the request ends. Reading and
@@ -95,7 +95,7 @@ FIELDS = (
 ) = range(len(FIELDS))
 
 REPORTED = FIELDS[: TURN_GAP_NS + 1]
-"""The counts the span reports, named as ``export.FinishedRequest``'s fields."""
+"""The counts the span reports, named as ``export.spans.FinishedRequest``'s fields."""
 TYPECODE = "q"
 
 

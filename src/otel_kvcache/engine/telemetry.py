@@ -251,6 +251,7 @@ class EngineTelemetry:
         self.reuse.on_demand(self.pool.limit - self.pool.queue.num_free_blocks, self.preempted_demand, now)
         if now >= self._chores_due:
             self._chores(now)
+        self.reuse.keep_up()  # last: a failure there costs the curve, nothing else
 
     def _admitted(self, request_id: str) -> None:
         """An admission opens a period; its prefix hits count when the period closes

@@ -42,10 +42,10 @@ until the curve is read (``catch_up``: at metric collection, or a snapshot for
 block; Python ``hash`` ints as keys cost twice the instructions of vLLM's own
 hash objects, ``benchmarks/RESULTS.md``), and per sampled block a ``bisect``
 and a deletion from a short list. Where nothing reads the curve for long, the
-engine thread catches up itself once ``MOST_PENDING`` entries wait, at the
-cost it would have paid event by event. Memory: the history above, the
-entries waiting (8 bytes each), and the stack up to ``2 × max(SCALES)`` ×
-pool × ``sample_rate`` blocks.
+engine thread takes in a slice at each step once ``MOST_PENDING`` entries wait
+(``keep_up``), at the cost it would have paid event by event. Memory: the
+history above, the entries waiting and what they keep (about 20 MB at most),
+and the stack up to ``2 × max(SCALES)`` × pool × ``sample_rate`` blocks.
 """
 
 from __future__ import annotations
@@ -67,10 +67,12 @@ HISTORY_PER_BLOCK = 4
 WINDOW_SECONDS = 600.0
 """The curve and the peak demand are over the last ten minutes of lookups."""
 BUCKET_SECONDS = 10.0
-MOST_PENDING = 1 << 20
+MOST_PENDING = 1 << 18
 """Entries (an event's fields, the hashes of its blocks) the curve may have yet to take
-in before the engine thread takes them in itself, where nothing reads the curve for
-long: 8 MB of references, about a minute of a busy engine's lookups and releases."""
+in before the engine thread takes some in itself, where nothing reads the curve for
+long: 2 MB of references, and at most about 20 MB of the hashes and numbers they keep."""
+ENGINE_SLICE = 1 << 14
+"""Entries the engine thread takes in at a step when too many wait: a few milliseconds."""
 SAMPLED_BLOCKS = 256
 """By default, the sample rate keeps about this many sampled blocks per pool's worth."""
 
@@ -201,7 +203,6 @@ class PrefixReuse:
         if len(self._freed_lately) >= self._generation:
             self._freed_before, self._freed_lately = self._freed_lately, set()
         self._curve_events.extend((_FREED, len(hashes), *hashes))
-        self._bound_the_wait()
 
     def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
                   used_blocks: int, now: float) -> tuple[int, int, int]:  # fmt: skip
@@ -219,7 +220,6 @@ class PrefixReuse:
         self.cold_tokens += cold
         self.uncacheable_tokens += uncacheable
         self._curve_events.extend((_LOOKUP, hit_blocks, block_size, queried_tokens, used_blocks, now, len(keys), *keys))
-        self._bound_the_wait()
         return evicted, cold, uncacheable
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
@@ -231,36 +231,53 @@ class PrefixReuse:
         (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
         self._curve_events.append(_RESET)
 
-    def _bound_the_wait(self) -> None:
-        if len(self._curve_events) > MOST_PENDING:  # nobody reads: catch up here, now and then
-            self.catch_up()
+    def keep_up(self) -> None:
+        """Once a step, on the engine thread: where nothing has read the curve for long
+        (more than ``MOST_PENDING`` entries wait), takes in the oldest ``ENGINE_SLICE``
+        entries or more, back to the bound, at the cost it would have paid event by
+        event; never waits for a reader that is taking them in already."""
+        waiting = len(self._curve_events)
+        if waiting > MOST_PENDING:  # at least back to the bound, however much a step added
+            self.catch_up(most=max(ENGINE_SLICE, waiting - MOST_PENDING), wait=False)
 
     # --- the curve, where it is read ------------------------------------------------
 
-    def catch_up(self) -> None:
-        """Takes what vLLM did since the last reading into the curve, in order."""
-        with self._catching_up:
+    def catch_up(self, most: int | None = None, wait: bool = True) -> None:
+        """Takes what vLLM did since the last reading into the curve, in order: all of
+        it, or the events that begin within the first ``most`` entries. With ``wait``
+        False, nothing if another thread is taking them in. An event that fails is
+        dropped with those before it (the error reaches the caller)."""
+        if not self._catching_up.acquire(blocking=wait):
+            return
+        try:
             events = self._curve_events
-            end = len(events)  # whole events: each came in one call (the engine thread adds more meanwhile)
+            # Whole events: each came in one call (the engine thread adds more meanwhile).
+            end = len(events) if most is None else min(len(events), most)
             at = 0
-            while at < end:
-                kind = events[at]
-                if kind == _LOOKUP:
-                    hit_blocks, block_size, queried_tokens, used_blocks, now, count = events[at + 1 : at + 7]
-                    keys = events[at + 7 : at + 7 + count]
-                    self._curve_lookup(keys, hit_blocks, block_size, queried_tokens, used_blocks, now)
-                    at += 7 + count
-                elif kind == _FREED:
-                    count = events[at + 1]
-                    self._curve_freed(events[at + 2 : at + 2 + count])
-                    at += 2 + count
-                elif kind == _DEMAND:
-                    self._curve_demand(events[at + 1], events[at + 2])
-                    at += 3
-                else:
-                    self._curve_reset()
-                    at += 1
-            del events[:end]
+            try:
+                while at < end:
+                    kind = events[at]
+                    if kind == _LOOKUP:
+                        hit_blocks, block_size, queried_tokens, used_blocks, now, count = events[at + 1 : at + 7]
+                        keys = events[at + 7 : at + 7 + count]
+                        at += 7 + count
+                        self._curve_lookup(keys, hit_blocks, block_size, queried_tokens, used_blocks, now)
+                    elif kind == _FREED:
+                        count = events[at + 1]
+                        hashes = events[at + 2 : at + 2 + count]
+                        at += 2 + count
+                        self._curve_freed(hashes)
+                    elif kind == _DEMAND:
+                        demand, now = events[at + 1 : at + 3]
+                        at += 3
+                        self._curve_demand(demand, now)
+                    else:
+                        at += 1
+                        self._curve_reset()
+            finally:
+                del events[:at]  # up to the end of the last event begun, taken in or failed
+        finally:
+            self._catching_up.release()
 
     def _curve_freed(self, hashes: list) -> None:
         holders = self._holders

@@ -9,5 +9,6 @@
 - ``plugin`` (plain ``vllm serve``) and ``distro`` (``opentelemetry-instrument``)
   start it all; ``resource`` names each process (API server, EngineCore, worker).
 
-Nothing here is on the engine thread's per-step path but the wrappers ``patch`` builds.
+On the engine thread run only the wrappers ``patch`` builds, and ``propagation``'s
+helpers that read a request's trace context once per request.
 """

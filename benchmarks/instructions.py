@@ -55,7 +55,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.scheduler_driver import TARGETS, against_target, workloads
 
-VALGRIND_SLOWDOWN = 50
 MISSING_VALGRIND = "valgrind is not installed (Debian: apt-get install valgrind)"
 
 
@@ -82,7 +81,6 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     from otel_kvcache.wiring.patch import ENGINE_ATTRIBUTE
 
     os.environ["OTEL_KVCACHE_RECONCILE_SECONDS"] = str(10**9)
-    chores = []
     instrumented = variant.startswith("otel")
     if instrumented:
         from otel_kvcache.engine import live_snapshot, pool
@@ -247,6 +245,15 @@ def report(outcome: dict) -> str:
     return "\n".join(lines)
 
 
+def report_part(row: dict) -> str:
+    """One ``take_apart`` row, as ``--without`` prints it."""
+    return (
+        f"{row['workload']:<14} {row['part']:<12} {row['per_step'] / 1e3:8.0f} k instructions/step "
+        f"{row['per_finished_request'] / 1e3:6.1f} k per finished request "
+        f"({100 * row['share_of_base']:.2f} % of vLLM's)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
     parser.add_argument("--steps", type=int, default=100)
@@ -271,31 +278,22 @@ def main(argv: list[str] | None = None) -> int:
         print(MISSING_VALGRIND, file=sys.stderr)
         return 2
 
+    workload_names = args.workloads.split(",")
     if args.without:
-        results = []
-        for name in args.workloads.split(","):
-            for row in take_apart(name, args.steps, args.without.split(","), args.seed):
-                results.append(row)
-                print(
-                    f"{name:<14} {row['part']:<12} {row['per_step'] / 1e3:8.0f} k instructions/step "
-                    f"{row['per_finished_request'] / 1e3:6.1f} k per finished request "
-                    f"({100 * row['share_of_base']:.2f} % of vLLM's)",
-                    flush=True,
-                )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-        return 0
-
+        parts = args.without.split(",")
+        outcomes = (row for name in workload_names for row in take_apart(name, args.steps, parts, args.seed))
+        show = report_part
+    else:
+        outcomes = measure(workload_names, args.steps, args.seed, args.cache_sim)
+        show = report
     results = []
-    for outcome in measure(args.workloads.split(","), args.steps, args.seed, args.cache_sim):
+    for outcome in outcomes:
         results.append(outcome)
-        print(report(outcome), flush=True)
+        print(show(outcome), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

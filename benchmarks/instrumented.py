@@ -21,7 +21,7 @@ EMPTIED_METHODS = {
     "records": {
         "EngineTelemetry": dict.fromkeys(("on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released")),
     },
-    "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": (0, 0, 0), "on_demand": None}},
+    "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": (0, 0), "on_demand": None}},
     "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
     "handover": {"ExporterProcess": {"flush": None}},
 }

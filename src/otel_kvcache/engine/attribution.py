@@ -3,10 +3,11 @@ tenant, and whether a session finds its context again at its next turn.
 
 One ``Attribution`` lives beside each engine's telemetry, used by three threads:
 
-- the engine thread, once per request at its release: the request's block-seconds
-  (``tally.stretch_block_ns``) join its series' count, and a request of a session gets its turn
+- the engine thread, once per request at its release: its tally, model, priority and
+  trace headers join a list (``request_ended``), and a request of a session gets its turn
   gap from the session table. Nothing per step.
-- the metric reader's thread, at each collection: the fair share of the blocks held
+- the metric reader's thread, at each collection: the released requests' block-seconds
+  (``tally.released_occupancy``) join their series' count (``fold_ended``); the fair share of the blocks held
   now, read from vLLM's block lists and reference counts (a block k requests share
   counts 1/k to each, so the series sum to the used blocks), and the live requests'
   block-seconds so far, so that a rate over a long request is right. That walks every
@@ -35,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.tally import occupancy_until
+from otel_kvcache.engine.tally import TYPECODE, occupancy_until, released_occupancy
 from otel_kvcache.vllm_compat import (
     blocks_by_request,
     fair_share,
@@ -51,6 +52,10 @@ OVERFLOW = object()
 
 Key = tuple
 """The values of the attribution attributes, in ``config.attribution()``'s order (None: absent)."""
+MOST_ENDED = 1 << 16
+"""Released requests waiting to join their series' count before the engine thread folds
+them in itself, where nothing collects for long: their tallies' bytes, about 300 each."""
+_ENDED_FIELDS = 4  # a released request's tally, model, priority and trace headers (``request_ended``)
 
 
 class SessionTable:
@@ -97,6 +102,10 @@ class Attribution:
         self.overflow_attributes = {**self._engine_attributes, names.METRIC_OVERFLOW: True}
         self.finished_block_ns: dict[Key, int] = {}
         """Block-nanoseconds of finished requests, by series (``OVERFLOW`` included)."""
+        self._ended: list = []
+        """Released requests not yet in ``finished_block_ns``, their fields one after
+        another (``request_ended``): no object per request for the garbage collector."""
+        self._folding = threading.Lock()
         self._reported_seconds: dict[Key, float] = {}
         self._live_keys: dict[str, Key] = {}
         """Live requests' keys, by request id, as the last collections found them."""
@@ -106,13 +115,13 @@ class Attribution:
     # --- keys and series ----------------------------------------------------------
 
     def key_of(self, request: Any) -> Key:
-        return self._key(request, self.model_of(request), self.priority_of(request))
+        return self._key(self._trace_headers_of(request), self.model_of(request), self.priority_of(request))
 
-    def _key(self, request: Any, model: str, priority: int) -> Key:
+    def _key(self, trace_headers: Any, model: str, priority: int) -> Key:
         if self._model_only:
             return (model,)
         baggage = (
-            baggage_entries(self._trace_headers_of(request), self._series_baggage_keys, self.value_limit)
+            baggage_entries(trace_headers, self._series_baggage_keys, self.value_limit)
             if self._series_baggage_keys
             else {}
         )
@@ -137,13 +146,41 @@ class Attribution:
 
     # --- the engine thread ----------------------------------------------------------
 
-    def request_ended(self, request: Any, block_ns: int) -> tuple[str, int]:
-        """The request's block-seconds join its series; returns its model and priority
-        (read once: its span carries them)."""
+    def request_ended(self, request: Any, tally: bytes) -> tuple[str, int]:
+        """A released request, with its tally's bytes: its block-seconds join its series at
+        the next collection (``fold_ended``). Returns its model and priority (read once:
+        its span carries them)."""
         model, priority = self.model_of(request), self.priority_of(request)
-        series = self.series_of(self._key(request, model, priority))
-        self.finished_block_ns[series] = self.finished_block_ns.get(series, 0) + block_ns
+        self._ended.extend((tally, model, priority, self._trace_headers_of(request)))  # one C call
         return model, priority
+
+    def keep_up(self) -> None:
+        """Once a step, on the engine thread: where nothing has collected for long (more
+        than ``MOST_ENDED`` released requests wait), folds them in, unless a collection is."""
+        if len(self._ended) > MOST_ENDED * _ENDED_FIELDS:
+            self.fold_ended(wait=False)
+
+    def fold_ended(self, wait: bool = True) -> None:
+        """Released requests' block-seconds join their series' counts (at a collection; on
+        the engine thread only where too many wait, never waiting for a collection). A
+        request that fails is dropped with those before it (the error reaches the caller)."""
+        if not self._folding.acquire(blocking=wait):
+            return
+        try:
+            ended, at = self._ended, 0
+            end = len(ended)  # whole requests: each came in one call
+            finished = self.finished_block_ns
+            try:
+                while at < end:
+                    tally, model, priority, trace_headers = ended[at : at + _ENDED_FIELDS]
+                    at += _ENDED_FIELDS
+                    series = self.series_of(self._key(trace_headers, model, priority))
+                    block_ns = released_occupancy(array(TYPECODE, tally))
+                    finished[series] = finished.get(series, 0) + block_ns
+            finally:
+                del ended[:at]
+        finally:
+            self._folding.release()
 
     # --- the metric reader's thread ---------------------------------------------------
 
@@ -199,6 +236,7 @@ class Attribution:
 
     def occupancy_seconds(self, tallies: Mapping[str, array], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
         """Block-seconds by series: finished requests', and live ones' up to now."""
+        self.fold_ended()
         by_series = {series: block_ns / 1e9 for series, block_ns in list(self.finished_block_ns.items())}
         now_ns = time.time_ns()
         live: dict[Key, float] = {}

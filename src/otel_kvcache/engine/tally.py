@@ -8,7 +8,9 @@ object per large count) is a dozen small objects allocated at admission,
 scattered over the heap, all cold again when the request ends. Reading and
 serializing them at release took about 5 us in the decode-heavy loop, the
 largest single item on the engine thread; an ``array`` is one object and its
-buffer, its counts side by side, and the garbage collector tracks neither.
+buffer, its counts side by side. The collector tracks the array (not its
+buffer): a released request hands its tally on as bytes (``tobytes``), which
+it does not track.
 
 Events other than the first admission and the release (preempted, resumed,
 stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).
@@ -58,6 +60,8 @@ FIELDS = (
     "stretch_start_ns",  # when the running stretch of held blocks began (0: none running)
     "stretch_start_blocks",  # the blocks held then
     "stretch_start_tokens",  # the computed tokens then
+    "released_tokens",  # computed tokens at release: where the last stretch ends (``released_occupancy``)
+    "session_id_length",  # a client's session id that was cut: its length (``bounds.py``), else 0
 )
 (
     START_NS,
@@ -92,6 +96,8 @@ FIELDS = (
     STRETCH_START_NS,
     STRETCH_START_BLOCKS,
     STRETCH_START_TOKENS,
+    RELEASED_TOKENS,
+    SESSION_ID_LENGTH,
 ) = range(len(FIELDS))
 
 REPORTED = FIELDS[: TURN_GAP_NS + 1]
@@ -162,6 +168,17 @@ def _blocks_summed(tokens: int, size: int) -> int:
         return 0
     full, rest = divmod(tokens, size)
     return size * full * (full + 1) // 2 + rest * (full + 1)
+
+
+def released_occupancy(tally: array) -> int:
+    """A released request's block-nanoseconds, its last stretch closed at its release
+    (``RELEASED_NS``, ``RELEASED_TOKENS``). Read off the engine thread, which hands the
+    tally on unchanged: by the exporter, for the span, and at a collection, for the
+    series' count (``attribution.py``)."""
+    closed = tally[OCCUPANCY_BLOCK_NS]
+    if tally[STRETCH_START_NS]:
+        return closed + stretch_block_ns(tally, tally[RELEASED_NS], tally[RELEASED_TOKENS])
+    return closed
 
 
 def occupancy_until(tally: array, now_ns: int, tokens: int) -> int:

@@ -18,7 +18,8 @@ thread, so it is written for the scheduler's hot loop:
   which builds the span, in a helper process when the SDK was configured from
   the environment.
 - whether instrumentation is suppressed (``suppress_instrumentation``) is asked
-  once per request, at release: the pool's accounting never pauses.
+  once a step, when ``schedule()`` returns, for the releases until the next one
+  (the step's, and aborts before the next step): the pool's accounting never pauses.
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ from otel_kvcache.engine.tally import (
     STRETCH_START_BLOCKS,
     STRETCH_START_NS,
     STRETCH_START_TOKENS,
-    OCCUPANCY_BLOCK_NS,
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
     RELEASED_NS,
+    RELEASED_TOKENS,
     REQUEST_ID_LENGTH,
+    SESSION_ID_LENGTH,
     RELEASED_POOL_FREE,
     START_NS,
     STALLS,
@@ -64,11 +66,10 @@ from otel_kvcache.engine.tally import (
     close_admission_period,
     count_period_hits,
     hold,
-    stretch_block_ns,
 )
 from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.export.spans import RequestEnded, RequestExporter
+from otel_kvcache.export.spans import RequestExporter
 from otel_kvcache.vllm_compat import (
     allocation_failed,
     allocation_watch,
@@ -107,8 +108,8 @@ class EngineTelemetry:
         self.exporter = exporter
         self.errors = errors
         self.block_size: int = scheduler_block_size(scheduler)
-        self.attributes = {names.ENGINE_INDEX: engine_index(scheduler.vllm_config)}
-        self._attribute_items = tuple(self.attributes.items())  # as each finished request hands them over
+        self.index: int = engine_index(scheduler.vllm_config)
+        self.attributes = {names.ENGINE_INDEX: self.index}
         self.pool = PoolTracker(manager.block_pool)
         self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
         self.requests: dict[str, array] = {}
@@ -117,6 +118,9 @@ class EngineTelemetry:
         """Live requests' events other than the first admission (preempted, resumed, stuck, zombie)."""
         self._blank_tally = blank_tally(self.block_size, self.pool.limit)
         self.step = 0
+        self.spans_enabled = is_instrumentation_enabled()
+        """Whether released requests get spans: not while instrumentation is suppressed
+        (asked once a step, in ``on_scheduled``)."""
         # Cumulative counters, exported by observable counters.
         self.preemptions = 0
         self.prefix_cache_queries = 0
@@ -220,7 +224,7 @@ class EngineTelemetry:
             self.prefix_cache_hits += num_hits
             used = self.pool.limit - self.pool.queue.num_free_blocks
             keys = lookup_keys(request, block_size)
-            evicted, cold, _ = self.reuse.on_lookup(
+            evicted, cold = self.reuse.on_lookup(
                 keys, num_hits // block_size, block_size, queried, used, time.monotonic()
             )
             if evicted or cold:
@@ -246,11 +250,13 @@ class EngineTelemetry:
         if self.connectors is not None:
             self.connectors.after_schedule()
         self.step += 1
+        self.spans_enabled = is_instrumentation_enabled()
         now = time.monotonic()
         self.pool.note_pops(now)
         self.reuse.on_demand(self.pool.limit - self.pool.queue.num_free_blocks, self.preempted_demand, now)
         if now >= self._chores_due:
             self._chores(now)
+        self.attribution.keep_up()
         self.reuse.keep_up()  # last: a failure there costs the curve, nothing else
 
     def _admitted(self, request_id: str) -> None:
@@ -314,7 +320,7 @@ class EngineTelemetry:
             detail = (computed, reported, len(preempted_for))
         self.event(request.request_id, names.EVENT_PREEMPTED, released, detail)
         # The what-if curve last: a failure there costs it, not the span's event.
-        self.reuse.on_freed(reversed(request.block_hashes[: computed // self.block_size]))
+        self.reuse.on_freed(request.block_hashes[: computed // self.block_size])
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
@@ -329,45 +335,49 @@ class EngineTelemetry:
         # The exporter closes the last admission period (tally.close_admission_period).
         tally[FREED] = freed
         tally[RELEASED_NS] = released_ns = time.time_ns()
-        if tally[STRETCH_START_NS]:  # its last stretch (the tally's other stretch fields are done with)
-            tally[OCCUPANCY_BLOCK_NS] += stretch_block_ns(tally, released_ns, request.num_computed_tokens)
+        # Its last stretch of held blocks is closed off the engine thread (tally.released_occupancy).
+        tally[RELEASED_TOKENS] = computed = request.num_computed_tokens
         tally[RELEASED_POOL_FREE] = self.pool.queue.num_free_blocks
         # Still attributed to the request after vLLM's free path: a leak, seen at once.
         tally[STILL_HELD] = self.held_blocks(request_id)
         tally[INPUT_TOKENS] = request.num_prompt_tokens
         tally[OUTPUT_TOKENS] = request.num_output_tokens
-        self.computed_tokens += request.num_computed_tokens + tally[RECOMPUTED_TOKENS]
+        self.computed_tokens += computed + tally[RECOMPUTED_TOKENS]
         events = self.extra_events.pop(request_id, None) if self.extra_events else None
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
         connector = self.connectors.on_released(request_id) if self.connectors is not None else None
-        model, priority = self.attribution.request_ended(request, tally[OCCUPANCY_BLOCK_NS])
         session_id = self._session_of(request)
         if session_id is not None:
             tally[TURN_GAP_NS] = self.attribution.sessions.turn_gap_ns(session_id, tally[START_NS], released_ns)
-        if is_instrumentation_enabled():
-            reported_id = self.reported_id(request_id)
-            if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
-                tally[REQUEST_ID_LENGTH] = len(request_id)
-            reported_session = None if session_id is None else cut(session_id, self.value_limit)
-            # Strings, bytes, and objects that exist already (vLLM's headers, our
-            # attributes): what the exporter holds until its next flush adds no object
-            # the garbage collector tracks (exporter_process.py).
+            reported_session = cut(session_id, self.value_limit)
+            if reported_session is not session_id:
+                tally[SESSION_ID_LENGTH] = len(session_id)
+            session_id = reported_session
+        reported_id = cut(request_id, self.value_limit)
+        if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
+            tally[REQUEST_ID_LENGTH] = len(request_id)
+        # The tally's last state, as bytes: the array is an object the garbage collector
+        # tracks, and the series' count holds the request until the next collection.
+        counts = tally.tobytes()
+        model, priority = self.attribution.request_ended(request, counts)
+        if self.spans_enabled:
+            # RequestEnded's fields, as a plain tuple (one object fewer to build): strings,
+            # bytes, numbers and objects that exist already (vLLM's headers), so that what
+            # the exporter holds until its next flush adds no object the garbage collector
+            # tracks (exporter_process.py).
             self.exporter.request_ended(
-                RequestEnded(
+                (
                     reported_id,
                     trace_headers_within(self.trace_headers_of(request), self.value_limit),
                     self._finish_reasons[request.status],
-                    tally.tobytes(),
+                    counts,
                     events,
-                    self._attribute_items,
+                    self.index,
                     connector,
-                    (
-                        model,
-                        priority,
-                        reported_session,
-                        0 if reported_session is session_id else len(session_id),  # cut: its length
-                    ),
+                    model,
+                    priority,
+                    session_id,
                 )
             )
         if not self.scheduler_requests:
@@ -377,7 +387,7 @@ class EngineTelemetry:
             self.exporter.went_idle()
         # The what-if curve last: a failure there costs it, not the span nor the idle pass.
         if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
-            self.reuse.on_freed(reversed(request.block_hashes[: request.num_computed_tokens // self.block_size]))
+            self.reuse.on_freed(request.block_hashes[: computed // self.block_size])
 
     # --- chores and readings ---------------------------------------------------------
 

@@ -195,10 +195,10 @@ class PrefixReuse:
 
     # --- what vLLM did (on the engine thread) ------------------------------------------
 
-    def on_freed(self, block_hashes: Iterable) -> None:
-        """A request gave back its blocks, with these hashes, in this order (vLLM frees
-        a request's deepest block first): cached now, or still in use by another."""
-        hashes = list(block_hashes)
+    def on_freed(self, hashes: list) -> None:
+        """A request gave back its blocks, whose hashes these are, shallowest first (a
+        list of the caller's: vLLM frees the deepest first, and the curve takes them in
+        in that order): cached now, or still in use by another."""
         self._freed_lately.update(hashes)
         if len(self._freed_lately) >= self._generation:
             self._freed_before, self._freed_lately = self._freed_lately, set()
@@ -208,19 +208,19 @@ class PrefixReuse:
                   used_blocks: int, now: float) -> tuple[int, int, int]:  # fmt: skip
         """A counted prefix lookup of a request whose blocks that could hit have these
         hashes (``vllm_compat.lookup_keys``, a list of its own); the first ``hit_blocks``
-        did. Returns the missed tokens as (evicted, cold, uncacheable). The looked-up
-        blocks are in use from now on."""
+        did. Returns the missed tokens as (evicted, cold); the rest are uncacheable. The
+        looked-up blocks are in use from now on."""
         missed = keys[hit_blocks:]
         remembered = len(self._freed_lately.intersection(missed))
         remembered += len(self._freed_before.intersection(missed).difference(self._freed_lately))
         evicted = block_size * remembered
         cold = block_size * len(missed) - evicted
-        uncacheable = queried_tokens - block_size * len(keys)
         self.evicted_tokens += evicted
         self.cold_tokens += cold
-        self.uncacheable_tokens += uncacheable
+        self.uncacheable_tokens += queried_tokens - block_size * len(keys)
+        # In one call: a reader on another thread takes in whole events (catch_up).
         self._curve_events.extend((_LOOKUP, hit_blocks, block_size, queried_tokens, used_blocks, now, len(keys), *keys))
-        return evicted, cold, uncacheable
+        return evicted, cold
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
         """Blocks in use, and held by preempted requests waiting to run again."""
@@ -266,6 +266,7 @@ class PrefixReuse:
                         count = events[at + 1]
                         hashes = events[at + 2 : at + 2 + count]
                         at += 2 + count
+                        hashes.reverse()  # in the order vLLM freed them: deepest first
                         self._curve_freed(hashes)
                     elif kind == _DEMAND:
                         demand, now = events[at + 1 : at + 3]

@@ -122,8 +122,10 @@ class Attributed(NamedTuple):
 
 
 class RequestEnded(NamedTuple):
-    """What the engine hands an exporter when a request ends: strings, bytes and
-    objects that exist already, which ``marshal`` writes in one call."""
+    """What the engine hands an exporter when a request ends: strings, bytes, numbers and
+    objects that exist already, which ``marshal`` writes in one call. Flat: a tuple among
+    the fields costs ``marshal`` more than the rest of the record (``benchmarks/RESULTS.md``).
+    The engine hands over the fields in this order as a plain tuple (``EngineTelemetry.on_released``)."""
 
     request_id: str
     trace_headers: Mapping[str, str] | None
@@ -133,20 +135,23 @@ class RequestEnded(NamedTuple):
     """The request's tally (``tally.py``)."""
     events: list[tuple] | None
     """Events other than the first admission and the release, as in ``FinishedRequest.events``."""
-    engine_attributes: tuple[tuple[str, Any], ...]
-    """As ``(name, value)`` pairs (a mapping also does)."""
+    engine_index: int
+    """The engine's data-parallel rank (``vllm.engine.index``)."""
     connector: tuple | None = None
     """A ``ConnectorSummary``'s fields, on an engine with a KV connector."""
-    attribution: tuple = ()
-    """An ``Attributed``'s fields."""
+    model: str | None = None
+    priority: int = 0
+    session_id: str | None = None
+    """As ``Attributed`` has them; the cut session id's length is in the tally."""
 
 
-def finished_request(ended: RequestEnded) -> FinishedRequest:
-    """A ``RequestEnded`` read back into a ``FinishedRequest``."""
-    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_attributes, connector, attributed = ended
+def finished_request(ended: RequestEnded | tuple) -> FinishedRequest:
+    """A ``RequestEnded`` (or its fields as a plain tuple) read back into a ``FinishedRequest``."""
+    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_index, connector, model, priority, session = ended
     counts = array(tally.TYPECODE, tally_bytes)
     # The last admission period, closed here rather than on the engine thread.
     tally.close_admission_period(counts, counts[tally.FREED])
+    counts[tally.OCCUPANCY_BLOCK_NS] = tally.released_occupancy(counts)
     counts[tally.PEAK] = max(counts[tally.PEAK], counts[tally.ADMITTED_BLOCKS])
     limit = counts[tally.POOL_LIMIT]
     events = []
@@ -165,9 +170,9 @@ def finished_request(ended: RequestEnded) -> FinishedRequest:
         trace_headers=dict(trace_headers) if trace_headers else None,
         finish_reason=finish_reason,
         events=events,
-        engine_attributes=dict(engine_attributes),
+        engine_attributes={names.ENGINE_INDEX: engine_index},
         connector=ConnectorSummary._make(connector) if connector else None,
-        attribution=Attributed(*attributed),
+        attribution=Attributed(model, priority, session, counts[tally.SESSION_ID_LENGTH]),
         **dict(zip(tally.REPORTED, counts)),
     )
 
@@ -307,7 +312,8 @@ class RequestExporter:
         self.baggage_keys = tuple(config.baggage_keys())
         self.value_limit = config.client_value_length_limit()
 
-    def request_ended(self, ended: RequestEnded) -> None:
+    def request_ended(self, ended: RequestEnded | tuple) -> None:
+        """A finished request, as ``RequestEnded``'s fields (the engine hands a plain tuple)."""
         finished = finished_request(ended)
         headers, connector = finished.trace_headers, finished.connector
         links = self._preemptors(finished.events)

@@ -31,7 +31,8 @@ counted process:
 
 - the engine thread's own chores, due once a second (the pool's settling, the
   hand-over to the helper), are done once at the end of the window, counted with
-  it: what they do grows with the window's requests, and is all there;
+  it: what they do grows with the window's requests, and is all there (the
+  warm-up's are done before the window, uncounted);
 - what runs off the engine thread on a timer of its own (the metric reader's
   collection, a round of ``otel-kvcache top``'s snapshot, unwatched and watched)
   is counted apart, once each after the window, and printed beside the overhead;
@@ -119,8 +120,11 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     driver = Driver(workload)
     driver.top_up()
     driver.run(2 * workload.output_len)  # past the first wave: a steady mix of ages, as in benchmarks.overhead
-    if instrumented:  # as the metric reader would have by now (the what-if curve catches up there)
-        meter_provider.force_flush()
+    if instrumented:  # the warm-up's chores, as they would have run by now: the window's are its own
+        engine = getattr(driver.scheduler, ENGINE_ATTRIBUTE)
+        engine.pool.settle()
+        engine.exporter.flush()
+        meter_provider.force_flush()  # the what-if curve and the series' counts catch up there
     freeze_gc_heap()
     gc.disable()  # priced apart (see the module's docstring)
     finished, tracked = driver.finished, gc.get_count()[0]
@@ -128,7 +132,6 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     def window() -> None:
         driver.run(steps)
         if instrumented:  # the chores of the window's steps, due once a second: done once, counted with them
-            engine = getattr(driver.scheduler, ENGINE_ATTRIBUTE)
             engine.pool.settle()
             engine.exporter.flush()
 

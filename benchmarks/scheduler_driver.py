@@ -38,8 +38,9 @@ class Workload:
         return -(-(self.prompt_len + self.output_len) // BLOCK_SIZE)
 
 
-TARGETS = {"decode-heavy": 0.01, "churn": 0.02, "wide": 0.01}
-"""The issue's overhead targets by workload shape (a small-pool variant shares its shape's)."""
+TARGETS = {"decode-heavy": 0.01, "churn": 0.015, "wide": 0.01}
+"""The overhead targets by workload shape (a small-pool variant shares its shape's): churn's
+on its way from 2 % to the 1 % of #37 (``benchmarks/RESULTS.md``)."""
 
 
 def against_target(overhead: float, workload_name: str) -> str:
@@ -47,7 +48,7 @@ def against_target(overhead: float, workload_name: str) -> str:
     target = TARGETS.get(workload_name.split("/")[0])
     if target is None:
         return "no target"
-    return f"target {100 * target:.0f} %: {'met' if overhead <= target else 'NOT met'}"
+    return f"target {100 * target:g} %: {'met' if overhead <= target else 'NOT met'}"
 
 
 def workloads() -> list[Workload]:

@@ -3,8 +3,8 @@ tenant, and whether a session finds its context again at its next turn.
 
 One ``Attribution`` lives beside each engine's telemetry, used by three threads:
 
-- the engine thread, once per request at its release: its tally, model, priority and
-  trace headers join a list (``request_ended``), and a request of a session gets its turn
+- the engine thread, once per request at its release: its tally's bytes, model, priority
+  and trace headers join a list (``request_ended``), and a request of a session gets its turn
   gap from the session table. Nothing per step.
 - the metric reader's thread, at each collection: the released requests' block-seconds
   (``tally.released_occupancy``) join their series' count (``fold_ended``); the fair share of the blocks held

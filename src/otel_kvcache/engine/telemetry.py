@@ -354,7 +354,7 @@ class EngineTelemetry:
             if reported_session is not session_id:
                 tally[SESSION_ID_LENGTH] = len(session_id)
             session_id = reported_session
-        reported_id = cut(request_id, self.value_limit)
+        reported_id = self.reported_id(request_id)
         if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
             tally[REQUEST_ID_LENGTH] = len(request_id)
         # The tally's last state, as bytes: the array is an object the garbage collector

@@ -205,7 +205,7 @@ class PrefixReuse:
         self._curve_events.extend((_FREED, len(hashes), *hashes))
 
     def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
-                  used_blocks: int, now: float) -> tuple[int, int, int]:  # fmt: skip
+                  used_blocks: int, now: float) -> tuple[int, int]:  # fmt: skip
         """A counted prefix lookup of a request whose blocks that could hit have these
         hashes (``vllm_compat.lookup_keys``, a list of its own); the first ``hit_blocks``
         did. Returns the missed tokens as (evicted, cold); the rest are uncacheable. The

@@ -25,7 +25,9 @@ class TopApp(App):
     """
     BINDINGS = [
         Binding("s", "sort", "Sort"),
-        Binding("f", "filter", "Filter by model or tenant"),
+        # A priority binding, so the application reads "f" itself and gives the field the
+        # focus before it passes on the keys typed after it (see ``check_action``).
+        Binding("f", "filter", "Filter by model or tenant", priority=True),
         Binding("escape", "clear_filter", "Clear the filter"),
         Binding("q", "quit", "Quit"),
     ]
@@ -63,7 +65,13 @@ class TopApp(App):
         field = self.query_one("#filter", Input)
         field.value = self.view.filter
         field.add_class("editing")
-        field.focus()
+        # At once: ``field.focus()`` waits until the keys already read have gone elsewhere,
+        # and a quick typist's (or a loaded host's) "fteam-a" would lose "team-a".
+        self.set_focus(field)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool:
+        """While the filter is being typed, "f" is a letter of it, not the filter key."""
+        return action != "filter" or not self.query_one("#filter", Input).has_class("editing")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.view.filter = event.value.strip()

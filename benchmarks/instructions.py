@@ -19,6 +19,16 @@ hands it is.
 Both processes run with the same ``PYTHONHASHSEED`` (``--seed``): the seed alone
 moves the engine's own count by about 0.5 %.
 
+So does the memory layout, by up to 0.3 % on churn: two processes with one
+environment count the same to the instruction, but a few bytes more in the
+environment move where every later object lands, and CPython's type attribute
+cache is indexed by the address of the attribute's name and the type's version
+tag, so which of vLLM's attribute lookups collide there (``find_name_in_mro``)
+changes with them, as does how often obmalloc's pools empty and refill. An
+instrumented process has a layout of its own whatever is done, so one pair of
+processes carries that lottery. ``--layouts N`` counts each variant at N
+layouts (``LAYOUT_PADDING``) and compares the sums.
+
 Instructions are not time: a miss in the caches costs many of them. With
 ``--cache-sim``, callgrind also simulates the first-level caches and a core's
 own last level, and the overhead is given in valgrind's estimate of cycles
@@ -74,6 +84,11 @@ MOST_TRACKED_PER_REQUEST = 2.0
 """Tracked objects the instrumentation may leave per finished request (see the module's
 docstring): vLLM leaves about 10 (churn); the runs the pool's mirror appends, one a
 release and reused at each settling, are the one it leaves now."""
+
+LAYOUT_PADDING = "OTEL_KVCACHE_BENCHMARK_LAYOUT_PADDING"
+"""An environment variable 97 bytes longer at each layout: what moves a process's memory layout
+(see the module's docstring), and nothing else. Steps of 64 bytes moved vLLM's count by 0.07 %
+over three layouts; steps of 97, by 0.3 %, as much as any padding tried."""
 
 NEVER_SECONDS = 10.0**9
 """An interval no run reaches: a timer's work is done on cue instead (``_child``)."""
@@ -174,9 +189,11 @@ def _dumps(directory: str) -> dict[str, dict[str, int]]:
     return parts
 
 
-def count(variant: str, workload_name: str, steps: int, seed: int, cache_sim: bool = False) -> dict:
+def count(
+    variant: str, workload_name: str, steps: int, seed: int, cache_sim: bool = False, layout: int = 0
+) -> dict:
     """The ``window``'s events, the number of requests finished in it, and (instrumented)
-    each timed chore's events apart, by part."""
+    each timed chore's events apart, by part, at memory layout number ``layout``."""
     with tempfile.TemporaryDirectory() as directory:
         result = subprocess.run(
             [
@@ -186,7 +203,8 @@ def count(variant: str, workload_name: str, steps: int, seed: int, cache_sim: bo
                 sys.executable, "-m", "benchmarks.instructions", "--child", variant, workload_name, str(steps),
             ],
             capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            env={**os.environ, "PYTHONHASHSEED": str(seed), "OTEL_KVCACHE_TOP_DIR": f"{directory}/top"},
+            env={**os.environ, "PYTHONHASHSEED": str(seed), "OTEL_KVCACHE_TOP_DIR": f"{directory}/top",
+                 LAYOUT_PADDING: "x" * 97 * layout},
         )  # fmt: skip
         finished = re.search(r"FINISHED (\d+) TRACKED (-?\d+)", result.stdout)
         if result.returncode != 0 or not finished:
@@ -200,37 +218,60 @@ def count(variant: str, workload_name: str, steps: int, seed: int, cache_sim: bo
     return counted
 
 
-def measure(workload_names: list[str], steps: int, seed: int = 0, cache_sim: bool = False) -> Iterator[dict]:
-    """Each workload's uninstrumented and instrumented counts, as a result, in turn."""
-    with ThreadPoolExecutor(2) as pool:  # the two variants side by side: counts don't mind
-        for name in workload_names:
-            base, otel = pool.map(lambda variant: count(variant, name, steps, seed, cache_sim), ("base", "otel"))
-            extra = otel["instructions"] - base["instructions"]
-            outcome = {
-                "workload": name,
-                "steps": steps,
-                "seed": seed,
-                "base_instructions_per_step": base["instructions"] / steps,
-                "overhead": extra / base["instructions"],
-                "target": TARGETS.get(name),
-                "instructions_per_finished_request": extra / max(1, otel["finished"]),
-                "tracked_per_finished_request": (otel["tracked"] - base["tracked"]) / max(1, otel["finished"]),
-                "finished": otel["finished"],
-                "apart": otel["apart"],
-            }
-            if cache_sim:
-                outcome["base_cycles_per_step"] = base["cycles"] / steps
-                outcome["cycles_overhead"] = otel["cycles"] / base["cycles"] - 1
-            yield outcome
+def _counts(
+    variants: list[str], workload_name: str, steps: int, seed: int, layouts: int, cache_sim: bool = False
+) -> dict:
+    """Each variant's ``count`` at each of ``layouts`` layouts, two processes at a time, summed
+    (the timed chores apart: the first layout's), with ``spread``: how far the window's count
+    moved between layouts, of its mean."""
+    runs = [(variant, layout) for layout in range(layouts) for variant in variants]
+    with ThreadPoolExecutor(2) as pool:  # two processes side by side: counts don't mind
+        counted = list(pool.map(lambda run: count(run[0], workload_name, steps, seed, cache_sim, run[1]), runs))
+    summed = {}
+    for variant in variants:
+        counts = [c for (v, _), c in zip(runs, counted) if v == variant]
+        each = [c["instructions"] for c in counts]
+        keys = ("instructions", "finished", "tracked", *(["cycles"] if cache_sim else []))
+        summed[variant] = {key: sum(c[key] for c in counts) for key in keys}
+        summed[variant].update(apart=counts[0]["apart"], spread=(max(each) - min(each)) * layouts / sum(each))
+    return summed
 
 
-def take_apart(workload_name: str, steps: int, parts: list[str], seed: int = 0) -> list[dict]:
+def measure(
+    workload_names: list[str], steps: int, seed: int = 0, cache_sim: bool = False, layouts: int = 1
+) -> Iterator[dict]:
+    """Each workload's uninstrumented and instrumented counts, each over ``layouts`` layouts,
+    as a result, in turn."""
+    for name in workload_names:
+        counts = _counts(["base", "otel"], name, steps, seed, layouts, cache_sim)
+        base, otel = counts["base"], counts["otel"]
+        extra = otel["instructions"] - base["instructions"]
+        outcome = {
+            "workload": name,
+            "steps": steps,
+            "seed": seed,
+            "layouts": layouts,
+            "base_instructions_per_step": base["instructions"] / steps / layouts,
+            "base_spread": base["spread"],
+            "overhead": extra / base["instructions"],
+            "target": TARGETS.get(name),
+            "instructions_per_finished_request": extra / max(1, otel["finished"]),
+            "tracked_per_finished_request": (otel["tracked"] - base["tracked"]) / max(1, otel["finished"]),
+            "finished": otel["finished"] // layouts,
+            "apart": otel["apart"],
+        }
+        if cache_sim:
+            outcome["base_cycles_per_step"] = base["cycles"] / steps / layouts
+            outcome["cycles_overhead"] = otel["cycles"] / base["cycles"] - 1
+        yield outcome
+
+
+def take_apart(workload_name: str, steps: int, parts: list[str], seed: int = 0, layouts: int = 1) -> list[dict]:
     """What each part of the instrumentation costs the engine thread on ``workload_name``:
     the instrumented count less that with the part emptied (``benchmarks.instrumented.EMPTIED_METHODS``),
-    per step and per request the full run finished."""
+    each over ``layouts`` layouts, per step and per request the full run finished."""
     variants = ["base", "otel", *(f"otel-without:{part}" for part in parts)]
-    with ThreadPoolExecutor(2) as pool:
-        counts = dict(zip(variants, pool.map(lambda variant: count(variant, workload_name, steps, seed), variants)))
+    counts = _counts(variants, workload_name, steps, seed, layouts)
     base, full = counts["base"]["instructions"], counts["otel"]
     rows = [{"part": "everything", "instructions": full["instructions"] - base}]
     for part in parts:
@@ -238,7 +279,8 @@ def take_apart(workload_name: str, steps: int, parts: list[str], seed: int = 0) 
     for row in rows:
         row.update(
             workload=workload_name,
-            per_step=row["instructions"] / steps,
+            layouts=layouts,
+            per_step=row["instructions"] / steps / layouts,
             per_finished_request=row["instructions"] / max(1, full["finished"]),
             share_of_base=row["instructions"] / base,
         )
@@ -253,6 +295,11 @@ def report(outcome: dict) -> str:
         f"{outcome['instructions_per_finished_request'] / 1e3:.0f} k instructions, "
         f"{outcome['tracked_per_finished_request']:.1f} tracked objects left per finished request"
     ]
+    if outcome["layouts"] > 1:
+        lines.append(
+            f"{'':<14} summed over {outcome['layouts']} memory layouts, "
+            f"between which vLLM's own count moved {100 * outcome['base_spread']:.2f} %"
+        )
     if outcome.get("apart"):
         lines.append(
             f"{'':<14} apart, off the engine thread, each on its own timer: "
@@ -272,7 +319,7 @@ def report_part(row: dict) -> str:
     return (
         f"{row['workload']:<14} {row['part']:<12} {row['per_step'] / 1e3:8.0f} k instructions/step "
         f"{row['per_finished_request'] / 1e3:6.1f} k per finished request "
-        f"({100 * row['share_of_base']:.2f} % of vLLM's)"
+        f"({100 * row['share_of_base']:.2f} % of vLLM's, {row['layouts']} layout(s))"
     )
 
 
@@ -289,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         help="take apart: also count with each of these parts emptied, comma-separated "
         "(mirror, records, whatif, attribution, handover: benchmarks.instrumented.EMPTIED_METHODS)",
     )
+    parser.add_argument(
+        "--layouts", type=int, default=1, help="count each variant at this many memory layouts and compare the sums"
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -303,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     workload_names = args.workloads.split(",")
     if args.without:
         parts = args.without.split(",")
-        outcomes = (row for name in workload_names for row in take_apart(name, args.steps, parts, args.seed))
+        outcomes = (
+            row for name in workload_names for row in take_apart(name, args.steps, parts, args.seed, args.layouts)
+        )
         show = report_part
     else:
-        outcomes = measure(workload_names, args.steps, args.seed, args.cache_sim)
+        outcomes = measure(workload_names, args.steps, args.seed, args.cache_sim, args.layouts)
         show = report
     results = []
     for outcome in outcomes:

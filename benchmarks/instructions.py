@@ -19,7 +19,7 @@ hands it is.
 Both processes run with the same ``PYTHONHASHSEED`` (``--seed``): the seed alone
 moves the engine's own count by about 0.5 %.
 
-So does the memory layout, by up to 0.3 % on churn: two processes with one
+So does the memory layout, by up to 0.35 % on churn: two processes with one
 environment count the same to the instruction, but a few bytes more in the
 environment move where every later object lands, and CPython's type attribute
 cache is indexed by the address of the attribute's name and the type's version
@@ -87,8 +87,9 @@ release and reused at each settling, are the one it leaves now."""
 
 LAYOUT_PADDING = "OTEL_KVCACHE_BENCHMARK_LAYOUT_PADDING"
 """An environment variable 97 bytes longer at each layout: what moves a process's memory layout
-(see the module's docstring), and nothing else. Steps of 64 bytes moved vLLM's count by 0.07 %
-over three layouts; steps of 97, by 0.3 %, as much as any padding tried."""
+(see the module's docstring), and nothing else. Over three layouts, steps of 64 bytes moved
+vLLM's count on churn by 0.07 %; steps of 97, by 0.30 %, near the 0.35 % of every padding tried
+(``benchmarks/RESULTS.md``)."""
 
 NEVER_SECONDS = 10.0**9
 """An interval no run reaches: a timer's work is done on cue instead (``_child``)."""
@@ -227,11 +228,11 @@ def _counts(
     runs = [(variant, layout) for layout in range(layouts) for variant in variants]
     with ThreadPoolExecutor(2) as pool:  # two processes side by side: counts don't mind
         counted = list(pool.map(lambda run: count(run[0], workload_name, steps, seed, cache_sim, run[1]), runs))
+    keys = ("instructions", "finished", "tracked", *(["cycles"] if cache_sim else []))
     summed = {}
     for variant in variants:
         counts = [c for (v, _), c in zip(runs, counted) if v == variant]
         each = [c["instructions"] for c in counts]
-        keys = ("instructions", "finished", "tracked", *(["cycles"] if cache_sim else []))
         summed[variant] = {key: sum(c[key] for c in counts) for key in keys}
         summed[variant].update(apart=counts[0]["apart"], spread=(max(each) - min(each)) * layouts / sum(each))
     return summed

@@ -18,10 +18,10 @@ gate bounds what drives them instead, the tracked objects the instrumentation
 leaves per finished request (``benchmarks.instructions``' docstring).
 
 One pair of processes also carries the memory layout's lottery: vLLM's own count
-moves by up to 0.3 % on churn with a few bytes more in the environment, through
+moves by up to 0.35 % on churn with a few bytes more in the environment, through
 CPython's type attribute cache. The gate counts one layout, for time (each more
 costs about four minutes a workload); churn's target leaves room for it, and
-``benchmarks.instructions --layouts 3`` averages it out.
+``benchmarks.instructions --layouts 3`` sums each side over three.
 
 valgrind missing fails the gate rather than skipping it: the test command
 installs it (``scripts/test.sh``), and a skip would pass a change that nobody measured.

@@ -122,7 +122,7 @@ def test_the_live_view_in_a_terminal_sorts_filters_and_quits(source):
         subprocess.run(["tmux", "send-keys", "-t", session, "s"], check=True)
         wait_for_screen(session, lambda s: "sorted by preemptions" in s)
         # One burst, as a quick typist or a loaded host delivers it: the keys after "f" reach
-        # the application before the filter field has drawn.
+        # the application before the filter field has the focus.
         subprocess.run(["tmux", "send-keys", "-t", session, "fteam-a", "Enter"], check=True)
         screen = wait_for_screen(session, lambda s: "filter: 'team-a'" in s)
         assert tenants_in_rows(screen) == {"team-a"}

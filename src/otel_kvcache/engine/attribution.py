@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.tally import TYPECODE, occupancy_until, released_occupancy
+from otel_kvcache.engine.tally import TYPECODE, Tally, occupancy_until, released_occupancy
 from otel_kvcache.vllm_compat import (
     blocks_by_request,
     fair_share,
@@ -146,12 +146,13 @@ class Attribution:
 
     # --- the engine thread ----------------------------------------------------------
 
-    def request_ended(self, request: Any, tally: bytes) -> tuple[str, int]:
-        """A released request, with its tally's bytes: its block-seconds join its series at
-        the next collection (``fold_ended``). Returns its model and priority (read once:
-        its span carries them)."""
+    def request_ended(self, request: Any, tally: bytes, trace_headers: Any) -> tuple[str, int]:
+        """A released request, with its tally's bytes and its trace headers (as vLLM keeps
+        them: read once, by the caller): its block-seconds join its series at the next
+        collection (``fold_ended``). Returns its model and priority (read once: its span
+        carries them)."""
         model, priority = self.model_of(request), self.priority_of(request)
-        self._ended.extend((tally, model, priority, self._trace_headers_of(request)))  # one C call
+        self._ended.extend((tally, model, priority, trace_headers))  # one C call
         return model, priority
 
     def keep_up(self) -> None:
@@ -234,7 +235,7 @@ class Attribution:
         """A key's attribution attributes by name, those without a value left out."""
         return {name: value for name, value in zip(self.attribute_names, key) if value is not None}
 
-    def occupancy_seconds(self, tallies: Mapping[str, array], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
+    def occupancy_seconds(self, tallies: Mapping[str, Tally], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
         """Block-seconds by series: finished requests', and live ones' up to now."""
         self.fold_ended()
         by_series = {series: block_ns / 1e9 for series, block_ns in list(self.finished_block_ns.items())}

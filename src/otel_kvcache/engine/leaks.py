@@ -27,13 +27,12 @@ reference, deferred frees) are never findings.
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.tally import PROGRESS_STEP, PROGRESS_TOKENS
+from otel_kvcache.engine.tally import PROGRESS_STEP, PROGRESS_TOKENS, Tally
 from otel_kvcache.export.spans import Finding, event_attributes, log_in_trace
 from otel_kvcache.vllm_compat import blocks_held_by_request, deferred_frees, real_blocks, running_status
 
@@ -63,7 +62,7 @@ class Engine(Protocol):
     @property
     def exporter(self) -> FindingsExporter: ...
     @property
-    def requests(self) -> dict[str, array]: ...
+    def requests(self) -> dict[str, Tally]: ...
     @property
     def scheduler_requests(self) -> Mapping[str, Any]: ...
     @property

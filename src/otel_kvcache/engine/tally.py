@@ -1,16 +1,19 @@
-"""A live request's tally: one flat array of 64-bit counts, indexed by the constants below.
+"""A live request's tally: one flat list of counts, indexed by the constants below.
 
 The engine keeps one per live request (``EngineTelemetry.requests``) and, when
-the request ends, hands its bytes to the exporter, which reads them back into
-a ``FinishedRequest`` (``export.spans.finished_request``). Flat on purpose: a tally
-made of Python objects (a slotted object, its event list and tuples, an int
-object per large count) is a dozen small objects allocated at admission,
-scattered over the heap, all cold again when the request ends. Reading and
-serializing them at release took about 5 us in the decode-heavy loop, the
-largest single item on the engine thread; an ``array`` is one object and its
-buffer, its counts side by side. The collector tracks the array (not its
-buffer): a released request hands its tally on as bytes (``tobytes``), which
-it does not track.
+the request ends, hands its bytes (``PACKED``) to the exporter, which reads them
+back into a ``FinishedRequest`` (``export.spans.finished_request``). Flat on
+purpose: a tally made of Python objects (a slotted object, its event list and
+tuples) is a dozen small objects allocated at admission, scattered over the heap,
+all cold again when the request ends. Reading and serializing them at release
+took about 5 us in the decode-heavy loop, the largest single item on the engine
+thread. A list is one object, and CPython specializes reading and writing its
+items by index; an ``array`` of 64-bit counts, the tally before, converted each
+item written through ``PyArg_Parse``: about 370 instructions a write, 18 writes
+and 6 reads per finished request on churn, 7.9 k instructions in all
+(``benchmarks/RESULTS.md``). At release the list is packed into bytes in one C
+call: bytes are no object the garbage collector tracks, so the records and the
+series' counts that hold them until later add none.
 
 Events other than the first admission and the release (preempted, resumed,
 stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).
@@ -18,7 +21,7 @@ stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).
 
 from __future__ import annotations
 
-from array import array
+from struct import Struct
 
 FIELDS = (
     # What the span reports. The prefix-hit, peak and allocated counts sum the
@@ -103,11 +106,18 @@ FIELDS = (
 REPORTED = FIELDS[: TURN_GAP_NS + 1]
 """The counts the span reports, named as ``export.spans.FinishedRequest``'s fields."""
 TYPECODE = "q"
+"""A released tally's bytes, read back as ``array(TYPECODE, counts)``: 64-bit counts in the
+machine's order."""
+PACKED = Struct(f"{len(FIELDS)}{TYPECODE}")
+"""A tally's bytes at release: ``PACKED.pack(*tally)``."""
+
+Tally = list[int]
+"""A live request's counts, indexed by the constants above."""
 
 
-def blank_tally(block_size: int, pool_limit: int) -> array:
+def blank_tally(block_size: int, pool_limit: int) -> Tally:
     """The tally of a request nothing has happened to yet (new ones are copies: ``blank[:]``)."""
-    tally = array(TYPECODE, bytes(8 * len(FIELDS)))
+    tally = [0] * len(FIELDS)
     tally[BLOCK_SIZE] = block_size
     tally[POOL_LIMIT] = pool_limit
     tally[LAST_STALL_STEP] = -1
@@ -116,7 +126,7 @@ def blank_tally(block_size: int, pool_limit: int) -> array:
     return tally
 
 
-def close_admission_period(tally: array, held: int) -> None:
+def close_admission_period(tally: Tally, held: int) -> None:
     """An admission period ends (preempted, or released) holding ``held`` blocks:
     its prefix hits, its peak, and the new blocks among those it holds.
 
@@ -130,7 +140,7 @@ def close_admission_period(tally: array, held: int) -> None:
     tally[PERIOD_HIT_TOKENS] = 0
 
 
-def hold(tally: array, now_ns: int, tokens: int, blocks: int) -> None:
+def hold(tally: Tally, now_ns: int, tokens: int, blocks: int) -> None:
     """The request, at ``tokens`` computed tokens, holds ``blocks`` from ``now_ns`` on (0 when
     preempted or released): the stretch since the last change joins its occupancy."""
     if tally[STRETCH_START_NS]:
@@ -140,7 +150,7 @@ def hold(tally: array, now_ns: int, tokens: int, blocks: int) -> None:
     tally[STRETCH_START_TOKENS] = tokens
 
 
-def stretch_block_ns(tally: array, now_ns: int, tokens: int) -> int:
+def stretch_block_ns(tally: Tally, now_ns: int, tokens: int) -> int:
     """Block-nanoseconds of the running stretch, up to ``now_ns`` and ``tokens`` computed.
 
     A running request's blocks follow its tokens: one more each time its computed tokens
@@ -170,7 +180,7 @@ def _blocks_summed(tokens: int, size: int) -> int:
     return size * full * (full + 1) // 2 + rest * (full + 1)
 
 
-def released_occupancy(tally: array) -> int:
+def released_occupancy(tally: Tally) -> int:
     """A released request's block-nanoseconds, its last stretch closed at its release
     (``RELEASED_NS``, ``RELEASED_TOKENS``). Read off the engine thread, which hands the
     tally on unchanged: by the exporter, for the span, and at a collection, for the
@@ -181,14 +191,14 @@ def released_occupancy(tally: array) -> int:
     return closed
 
 
-def occupancy_until(tally: array, now_ns: int, tokens: int) -> int:
+def occupancy_until(tally: Tally, now_ns: int, tokens: int) -> int:
     """Block-nanoseconds held up to ``now_ns``, at ``tokens`` computed tokens then (read on
     the metric reader's thread: changes nothing)."""
     closed = tally[OCCUPANCY_BLOCK_NS]
     return closed + stretch_block_ns(tally, now_ns, tokens) if tally[STRETCH_START_NS] else closed
 
 
-def count_period_hits(tally: array) -> int:
+def count_period_hits(tally: Tally) -> int:
     """The period's prefix hits join the request's; returns them in blocks. Also for
     a later admission in the same period (a streaming session's next chunk): the
     earlier one's hits count then, the new one's when the period closes."""

@@ -13,7 +13,7 @@ thread, so it is written for the scheduler's hot loop:
   run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
   by observable instruments on the metric reader's thread (``snapshot``);
-- a live request costs a tally, one flat array of counts (``tally.py``),
+- a live request costs a tally, one flat list of counts (``tally.py``),
   not an SDK span. At release its bytes go to the exporter (``export/spans.py``),
   which builds the span, in a helper process when the SDK was configured from
   the environment.
@@ -25,7 +25,6 @@ thread, so it is written for the scheduler's hot loop:
 from __future__ import annotations
 
 import time
-from array import array
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
@@ -49,6 +48,7 @@ from otel_kvcache.engine.tally import (
     STRETCH_START_BLOCKS,
     STRETCH_START_NS,
     STRETCH_START_TOKENS,
+    PACKED,
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
     RELEASED_NS,
@@ -62,6 +62,7 @@ from otel_kvcache.engine.tally import (
     COLD_TOKENS,
     EVICTED_TOKENS,
     TURN_GAP_NS,
+    Tally,
     blank_tally,
     close_admission_period,
     count_period_hits,
@@ -98,6 +99,23 @@ if TYPE_CHECKING:
 class EngineTelemetry:
     """KV telemetry of one scheduler: live requests' tallies, the pool tracker, counters."""
 
+    # Slotted: an instance dict of more than 30 keys is no longer shared (CPython 3.11's
+    # SHARED_KEYS_MAX_SIZE), and a method load from an object with a dict of its own is never
+    # specialized: each ``self.<method>()`` in the hooks took CPython's generic lookup, about
+    # 200 instructions, 18 of them per finished request on churn (benchmarks/RESULTS.md).
+    __slots__ = (
+        "__weakref__",  # the instruments and the snapshot publisher hold engines weakly
+        "exporter", "errors", "block_size", "index", "attributes", "pool", "bytes_per_block",
+        "requests", "extra_events", "_blank_tally", "step", "spans_enabled",
+        "preemptions", "prefix_cache_queries", "prefix_cache_hits", "allocation_stalls",
+        "computed_tokens", "recomputed_tokens", "last_attempt", "_watch_allocation",
+        "_schedule_frame", "pending_hits", "type_managers", "held_blocks", "scheduler_requests",
+        "_finish_reasons", "_waiting_for_blocks", "_lookup_enabled", "trace_headers_of",
+        "value_limit", "attribution", "_session_of", "_arrival_of", "_new_requests_of",
+        "_resumed_ids_of", "reconciler", "reuse", "preempted_blocks", "preempted_demand",
+        "_chores_due", "connectors",
+    )  # fmt: skip
+
     def __init__(
         self,
         scheduler: Any,
@@ -112,7 +130,7 @@ class EngineTelemetry:
         self.attributes = {names.ENGINE_INDEX: self.index}
         self.pool = PoolTracker(manager.block_pool)
         self.bytes_per_block = kv_bytes_per_block(scheduler.kv_cache_config)
-        self.requests: dict[str, array] = {}
+        self.requests: dict[str, Tally] = {}
         """Live requests' tallies (``tally.py``), by request id."""
         self.extra_events: dict[str, list[tuple]] = {}
         """Live requests' events other than the first admission (preempted, resumed, stuck, zombie)."""
@@ -181,7 +199,7 @@ class EngineTelemetry:
 
     # --- request lifecycle ----------------------------------------------------
 
-    def _tally_of(self, request: Any) -> array:
+    def _tally_of(self, request: Any) -> Tally:
         """The request's tally, made at its first admission or failed attempt (a
         streaming-input session's later chunks keep it)."""
         tally = self.requests.get(request.request_id)
@@ -189,7 +207,7 @@ class EngineTelemetry:
             tally = self.requests[request.request_id] = self._new_tally(request)
         return tally
 
-    def _new_tally(self, request: Any) -> array:
+    def _new_tally(self, request: Any) -> Tally:
         tally = self._blank_tally[:]
         tally[START_NS] = int(self._arrival_of(request) * 1e9)
         return tally
@@ -357,10 +375,11 @@ class EngineTelemetry:
         reported_id = self.reported_id(request_id)
         if reported_id is not request_id:  # a client's, as vLLM adopted it (bounds.py)
             tally[REQUEST_ID_LENGTH] = len(request_id)
-        # The tally's last state, as bytes: the array is an object the garbage collector
+        # The tally's last state, as bytes: the list is an object the garbage collector
         # tracks, and the series' count holds the request until the next collection.
-        counts = tally.tobytes()
-        model, priority = self.attribution.request_ended(request, counts)
+        counts = PACKED.pack(*tally)
+        trace_headers = self.trace_headers_of(request)
+        model, priority = self.attribution.request_ended(request, counts, trace_headers)
         if self.spans_enabled:
             # RequestEnded's fields, as a plain tuple (one object fewer to build): strings,
             # bytes, numbers and objects that exist already (vLLM's headers), so that what
@@ -369,7 +388,7 @@ class EngineTelemetry:
             self.exporter.request_ended(
                 (
                     reported_id,
-                    trace_headers_within(self.trace_headers_of(request), self.value_limit),
+                    trace_headers_within(trace_headers, self.value_limit),
                     self._finish_reasons[request.status],
                     counts,
                     events,

@@ -211,8 +211,12 @@ class PrefixReuse:
         did. Returns the missed tokens as (evicted, cold); the rest are uncacheable. The
         looked-up blocks are in use from now on."""
         missed = keys[hit_blocks:]
-        remembered = len(self._freed_lately.intersection(missed))
-        remembered += len(self._freed_before.intersection(missed).difference(self._freed_lately))
+        lately, before = self._freed_lately, self._freed_before
+        if lately.isdisjoint(missed) and before.isdisjoint(missed):  # all cold: no set is built
+            remembered = 0
+        else:
+            remembered = len(lately.intersection(missed))
+            remembered += len(before.intersection(missed).difference(lately))
         evicted = block_size * remembered
         cold = block_size * len(missed) - evicted
         self.evicted_tokens += evicted

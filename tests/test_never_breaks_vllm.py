@@ -9,7 +9,9 @@ from vllm.v1.request import RequestStatus
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names
 from otel_kvcache.engine.pool import PoolTracker
-from otel_kvcache.engine.telemetry import EngineTelemetry
+from otel_kvcache.engine.tally import OCCUPANCY_BLOCK_NS
+from otel_kvcache.engine.telemetry import PACKING, EngineTelemetry
+from otel_kvcache.wiring.patch import ENGINE_ATTRIBUTE
 
 from conftest import Telemetry
 from engine_harness import EngineHarness, busy_run_decisions
@@ -80,3 +82,19 @@ def test_vllm_exceptions_pass_through_unchanged(model_config, telemetry):
     assert telemetry.total(names.INSTRUMENTATION_ERRORS) == 0
     engine.run()
     assert telemetry.span_by_request()["r"].attributes[names.PREEMPTIONS] == 0
+
+
+def test_a_count_past_64_bits_is_counted_and_its_span_still_goes_out(model_config, telemetry):
+    """A released tally is packed into 64-bit counts: one that no longer fits (an occupancy
+    summed over a day of a huge pool) is counted as ours and clamped, and the span is sent."""
+    engine = EngineHarness(make_scheduler(model_config, num_blocks=24))
+    request = engine.add(engine.make_request("r", prompt_len=20))
+    engine.step()  # admitted: its tally is open
+    ours = getattr(engine.scheduler, ENGINE_ATTRIBUTE)
+    ours.requests["r"][OCCUPANCY_BLOCK_NS] = 1 << 64
+    engine.run()
+    span = telemetry.span_by_request()["r"]
+    assert span.attributes[names.OUTPUT_TOKENS] == request.num_output_tokens > 0
+    assert span.attributes[names.OCCUPANCY] >= (1 << 63) / 1e9  # block-seconds, from the clamped count
+    errors = telemetry.points(names.INSTRUMENTATION_ERRORS)
+    assert {p.attributes[names.HOOK] for p in errors} == {PACKING}

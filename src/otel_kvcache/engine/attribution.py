@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import threading
 import time
-from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.tally import TYPECODE, Tally, occupancy_until, released_occupancy
+from otel_kvcache.engine.tally import PACKED, Tally, occupancy_until, released_occupancy
 from otel_kvcache.vllm_compat import (
     blocks_by_request,
     fair_share,
@@ -176,7 +175,7 @@ class Attribution:
                     tally, model, priority, trace_headers = ended[at : at + _ENDED_FIELDS]
                     at += _ENDED_FIELDS
                     series = self.series_of(self._key(trace_headers, model, priority))
-                    block_ns = released_occupancy(array(TYPECODE, tally))
+                    block_ns = released_occupancy(PACKED.unpack(tally))
                     finished[series] = finished.get(series, 0) + block_ns
             finally:
                 del ended[:at]

@@ -10,10 +10,11 @@ took about 5 us in the decode-heavy loop, the largest single item on the engine
 thread. A list is one object, and CPython specializes reading and writing its
 items by index; an ``array`` of 64-bit counts, the tally before, converted each
 item written through ``PyArg_Parse``: about 370 instructions a write, 18 writes
-and 6 reads per finished request on churn, 7.9 k instructions in all
-(``benchmarks/RESULTS.md``). At release the list is packed into bytes in one C
-call: bytes are no object the garbage collector tracks, so the records and the
-series' counts that hold them until later add none.
+and 6 reads per finished request on churn, 7.9 k instructions in all. At release
+the list is packed into bytes in one C call (``PACKED``, 4.8 k instructions): about
+3 k less a request than the ``array``, the packing counted (``benchmarks/RESULTS.md``).
+Bytes are no object the garbage collector tracks, so the records and the series'
+counts that hold them until later add none.
 
 Events other than the first admission and the release (preempted, resumed,
 stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).
@@ -21,6 +22,7 @@ stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).
 
 from __future__ import annotations
 
+from collections.abc import MutableSequence, Sequence
 from struct import Struct
 
 FIELDS = (
@@ -105,14 +107,13 @@ FIELDS = (
 
 REPORTED = FIELDS[: TURN_GAP_NS + 1]
 """The counts the span reports, named as ``export.spans.FinishedRequest``'s fields."""
-TYPECODE = "q"
-"""A released tally's bytes, read back as ``array(TYPECODE, counts)``: 64-bit counts in the
-machine's order."""
-PACKED = Struct(f"{len(FIELDS)}{TYPECODE}")
-"""A tally's bytes at release: ``PACKED.pack(*tally)``."""
+PACKED = Struct(f"{len(FIELDS)}q")
+"""A released tally's bytes, 64-bit counts in the machine's order: ``PACKED.pack(*tally)``
+(``packed_clamped`` where a count is past 64 bits), read back by ``PACKED.unpack``."""
 
-Tally = list[int]
-"""A live request's counts, indexed by the constants above."""
+Tally = MutableSequence[int]
+"""A request's counts, indexed by the constants above: a list while it lives and where a
+released one is read back."""
 
 
 def blank_tally(block_size: int, pool_limit: int) -> Tally:
@@ -124,6 +125,15 @@ def blank_tally(block_size: int, pool_limit: int) -> Tally:
     tally[PROGRESS_TOKENS] = -1
     tally[TURN_GAP_NS] = -1
     return tally
+
+
+def packed_clamped(tally: Tally) -> bytes:
+    """The tally's bytes, each count held within 64 bits (``PACKED.pack`` failed on one: a
+    sum past 9.2e18, or a count vLLM gave as a float), so that the record still goes out."""
+    return PACKED.pack(*(min(max(int(count), _SMALLEST), _LARGEST) for count in tally))
+
+
+_SMALLEST, _LARGEST = -(1 << 63), (1 << 63) - 1
 
 
 def close_admission_period(tally: Tally, held: int) -> None:
@@ -150,7 +160,7 @@ def hold(tally: Tally, now_ns: int, tokens: int, blocks: int) -> None:
     tally[STRETCH_START_TOKENS] = tokens
 
 
-def stretch_block_ns(tally: Tally, now_ns: int, tokens: int) -> int:
+def stretch_block_ns(tally: Sequence[int], now_ns: int, tokens: int) -> int:
     """Block-nanoseconds of the running stretch, up to ``now_ns`` and ``tokens`` computed.
 
     A running request's blocks follow its tokens: one more each time its computed tokens
@@ -180,7 +190,7 @@ def _blocks_summed(tokens: int, size: int) -> int:
     return size * full * (full + 1) // 2 + rest * (full + 1)
 
 
-def released_occupancy(tally: Tally) -> int:
+def released_occupancy(tally: Sequence[int]) -> int:
     """A released request's block-nanoseconds, its last stretch closed at its release
     (``RELEASED_NS``, ``RELEASED_TOKENS``). Read off the engine thread, which hands the
     tally on unchanged: by the exporter, for the span, and at a collection, for the
@@ -191,7 +201,7 @@ def released_occupancy(tally: Tally) -> int:
     return closed
 
 
-def occupancy_until(tally: Tally, now_ns: int, tokens: int) -> int:
+def occupancy_until(tally: Sequence[int], now_ns: int, tokens: int) -> int:
     """Block-nanoseconds held up to ``now_ns``, at ``tokens`` computed tokens then (read on
     the metric reader's thread: changes nothing)."""
     closed = tally[OCCUPANCY_BLOCK_NS]

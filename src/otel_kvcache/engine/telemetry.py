@@ -24,6 +24,7 @@ thread, so it is written for the scheduler's hot loop:
 
 from __future__ import annotations
 
+import struct
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,7 @@ from otel_kvcache.engine.tally import (
     close_admission_period,
     count_period_hits,
     hold,
+    packed_clamped,
 )
 from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.errors import InstrumentationErrors
@@ -94,6 +96,10 @@ from otel_kvcache.vllm_compat import (
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry
     from otel_kvcache.export.exporter_process import ExporterProcess
+
+
+PACKING = "tally_packing"
+"""What a released tally that did not fit ``PACKED`` is counted as (``InstrumentationErrors``)."""
 
 
 class EngineTelemetry:
@@ -377,7 +383,11 @@ class EngineTelemetry:
             tally[REQUEST_ID_LENGTH] = len(request_id)
         # The tally's last state, as bytes: the list is an object the garbage collector
         # tracks, and the series' count holds the request until the next collection.
-        counts = PACKED.pack(*tally)
+        try:
+            counts = PACKED.pack(*tally)
+        except struct.error as exc:  # a count past 64 bits, or not an int: counted, the record kept
+            self.errors.count(PACKING, exc)
+            counts = packed_clamped(tally)
         trace_headers = self.trace_headers_of(request)
         model, priority = self.attribution.request_ended(request, counts, trace_headers)
         if self.spans_enabled:

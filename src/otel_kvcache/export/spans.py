@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -148,7 +147,7 @@ class RequestEnded(NamedTuple):
 def finished_request(ended: RequestEnded | tuple) -> FinishedRequest:
     """A ``RequestEnded`` (or its fields as a plain tuple) read back into a ``FinishedRequest``."""
     request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_index, connector, model, priority, session = ended
-    counts = array(tally.TYPECODE, tally_bytes)
+    counts = list(tally.PACKED.unpack(tally_bytes))  # a list: a sum here may pass 64 bits
     # The last admission period, closed here rather than on the engine thread.
     tally.close_admission_period(counts, counts[tally.FREED])
     counts[tally.OCCUPANCY_BLOCK_NS] = tally.released_occupancy(counts)

@@ -52,11 +52,7 @@ from otel_kvcache.wiring.signatures import method_like
 _vllm_log = logging.getLogger("vllm.otel_kvcache")
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
-"""Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue. The hot
-wrappers read it as a plain attribute, ``self._otel_kvcache_engine``, which CPython
-specializes; ``getattr(self, ENGINE_ATTRIBUTE, None)`` cost about 250 instructions a call
-(benchmarks/RESULTS.md). An object built before ``instrument()`` has none: it raises
-AttributeError, and the wrapper passes vLLM's call straight through."""
+"""Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue."""
 
 ExporterFactory = Callable[[], Any]
 """Returns the exporter a new engine hands its finished requests to (``export/spans.py``)."""
@@ -71,14 +67,12 @@ def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod)
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            try:
-                engine = self._otel_kvcache_engine  # ENGINE_ATTRIBUTE
-            except AttributeError:  # built before instrument()
-                return result
-            try:
-                on_call(engine, *args, **kwargs)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:  # None: built before instrument()
+                try:
+                    on_call(engine, *args, **kwargs)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -93,14 +87,12 @@ def _after_first(hook: str, errors: InstrumentationErrors, on_call: EngineMethod
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
-                return result
-            try:
-                on_call(engine, args[0])
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    on_call(engine, args[0])
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -114,14 +106,12 @@ def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMet
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
-                return result
-            try:
-                on_result(engine, result)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    on_result(engine, result)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -135,14 +125,12 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
-            try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
-                return original(self, *args, **kwargs)
-            try:
-                before(engine.pool, *args, **kwargs)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is not None:
+                try:
+                    before(engine.pool, *args, **kwargs)
+                except Exception as exc:  # ours, never vLLM's
+                    errors.count(hook, exc)
             return original(self, *args, **kwargs)
 
         return method_like(original, method)
@@ -156,9 +144,8 @@ def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, afte
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
-            try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
+            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            if engine is None:
                 return original(self, *args, **kwargs)
             try:
                 first_argument = args[0]

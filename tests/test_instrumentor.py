@@ -189,4 +189,21 @@ def test_a_hot_wrapper_forwards_arguments_as_given_and_tracebacks_show_its_sourc
     method = _around("hook", errors, before, after)(preempt)
     assert method(instrumented, timestamp=1.0, request="r") == ("r", 1.0)
     assert around == [("before", "r"), ("after", "r", "state")]
+    # Without an engine vLLM's exception is its own: no error of ours in its context.
+    with pytest.raises(KeyError, match="vLLM's own") as raised:
+        _around("hook", errors, before, after)(original)(object(), "fail", 2, c=3)
+    assert raised.value.__context__ is None
     assert reader.get_metrics_data() is None  # none of ours failed
+
+
+def test_every_hot_wrapper_reads_the_engine_by_its_attribute_name():
+    """The hot wrappers name the engine's attribute in their code (CPython specializes the
+    read): a misspelt name would pass every call through, hooked but feeding nothing."""
+    from otel_kvcache.wiring import patch
+
+    def original(self, request):
+        return request
+
+    for factory in (patch._after_call, patch._after_first, patch._after_result, patch._tracking_pool):
+        assert patch.ENGINE_ATTRIBUTE in factory("hook", None, print)(original).__code__.co_names
+    assert patch.ENGINE_ATTRIBUTE in patch._around("hook", None, print, print)(original).__code__.co_names

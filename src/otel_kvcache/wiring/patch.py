@@ -52,7 +52,15 @@ from otel_kvcache.wiring.signatures import method_like
 _vllm_log = logging.getLogger("vllm.otel_kvcache")
 
 ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
-"""Set on each instrumented Scheduler, its KVCacheManager, BlockPool and free queue."""
+"""Set on each Scheduler built while instrumented, its KVCacheManager, BlockPool and free
+queue: its ``EngineTelemetry``, or None where instrumentation was suppressed. The hot
+wrappers read it as a plain attribute, ``self._otel_kvcache_engine``, which CPython
+specializes: ``getattr(self, ENGINE_ATTRIBUTE, None)`` instead cost churn about 10 k
+instructions a finished request (benchmarks/RESULTS.md). An object that has none (built
+before ``instrument()``, on a release the start-up survey found not ready, or a second block
+pool such as hisparse's host pool) makes the read raise AttributeError, a few thousand
+instructions a call, and the wrapper passes vLLM's call straight through, outside the
+handler. A class-level default of None would spare those calls the exception."""
 
 ExporterFactory = Callable[[], Any]
 """Returns the exporter a new engine hands its finished requests to (``export/spans.py``)."""
@@ -67,12 +75,16 @@ def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod)
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is not None:  # None: built before instrument()
-                try:
-                    on_call(engine, *args, **kwargs)
-                except Exception as exc:  # ours, never vLLM's
-                    errors.count(hook, exc)
+            try:
+                engine = self._otel_kvcache_engine  # ENGINE_ATTRIBUTE, as a name CPython specializes
+            except AttributeError:  # built before instrument()
+                return result
+            if engine is None:  # a scheduler left uninstrumented
+                return result
+            try:
+                on_call(engine, *args, **kwargs)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -87,12 +99,16 @@ def _after_first(hook: str, errors: InstrumentationErrors, on_call: EngineMethod
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is not None:
-                try:
-                    on_call(engine, args[0])
-                except Exception as exc:  # ours, never vLLM's
-                    errors.count(hook, exc)
+            try:
+                engine = self._otel_kvcache_engine
+            except AttributeError:
+                return result
+            if engine is None:
+                return result
+            try:
+                on_call(engine, args[0])
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -106,12 +122,16 @@ def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMet
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is not None:
-                try:
-                    on_result(engine, result)
-                except Exception as exc:  # ours, never vLLM's
-                    errors.count(hook, exc)
+            try:
+                engine = self._otel_kvcache_engine
+            except AttributeError:
+                return result
+            if engine is None:
+                return result
+            try:
+                on_result(engine, result)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
             return result
 
         return method_like(original, method)
@@ -125,12 +145,16 @@ def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
-            if engine is not None:
-                try:
-                    before(engine.pool, *args, **kwargs)
-                except Exception as exc:  # ours, never vLLM's
-                    errors.count(hook, exc)
+            try:
+                engine = self._otel_kvcache_engine
+            except AttributeError:
+                engine = None
+            if engine is None:  # vLLM's call outside the handler: its exceptions chain no error of ours
+                return original(self, *args, **kwargs)
+            try:
+                before(engine.pool, *args, **kwargs)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
             return original(self, *args, **kwargs)
 
         return method_like(original, method)
@@ -144,7 +168,10 @@ def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, afte
 
     def build(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
-            engine = getattr(self, ENGINE_ATTRIBUTE, None)
+            try:
+                engine = self._otel_kvcache_engine
+            except AttributeError:
+                engine = None
             if engine is None:
                 return original(self, *args, **kwargs)
             try:
@@ -286,6 +313,13 @@ def unpatch_connector_hooks(connectors: ConnectorTelemetry) -> None:
     connectors.patched.clear()
 
 
+def _feeds(scheduler: Any, engine: EngineTelemetry | None) -> None:
+    """Sets which engine the hot wrappers feed on the scheduler's objects (``ENGINE_ATTRIBUTE``)."""
+    manager = scheduler.kv_cache_manager
+    for owner in (scheduler, manager, manager.block_pool, free_queue(manager.block_pool)):
+        setattr(owner, ENGINE_ATTRIBUTE, engine)
+
+
 def scheduler_init_wrapper(
     hook: str,
     exporter_for: ExporterFactory,
@@ -296,6 +330,10 @@ def scheduler_init_wrapper(
     def wrapper(wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
         if not is_instrumentation_enabled():
+            try:
+                _feeds(instance, None)  # the hot wrappers pass straight through, without an AttributeError a call
+            except Exception as exc:  # noqa: BLE001
+                errors.count(hook, exc)
             return
         engine = None
         try:
@@ -309,9 +347,7 @@ def scheduler_init_wrapper(
             if kv_connector(instance) is not None:
                 engine.connectors = ConnectorTelemetry(engine, instance)
                 patch_connector_hooks(instance, engine.connectors, errors)
-            manager = instance.kv_cache_manager
-            for owner in (instance, manager, manager.block_pool, free_queue(manager.block_pool)):
-                setattr(owner, ENGINE_ATTRIBUTE, engine)
+            _feeds(instance, engine)
             instruments.engines.add(engine)  # its gauges are read once its hooks feed it
             if publisher is not None:
                 publisher.add(engine)

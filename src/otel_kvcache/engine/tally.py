@@ -127,13 +127,13 @@ def blank_tally(block_size: int, pool_limit: int) -> Tally:
     return tally
 
 
+_SMALLEST, _LARGEST = -(1 << 63), (1 << 63) - 1
+
+
 def packed_clamped(tally: Tally) -> bytes:
     """The tally's bytes, each count held within 64 bits (``PACKED.pack`` failed on one: a
     sum past 9.2e18, or a count vLLM gave as a float), so that the record still goes out."""
     return PACKED.pack(*(min(max(int(count), _SMALLEST), _LARGEST) for count in tally))
-
-
-_SMALLEST, _LARGEST = -(1 << 63), (1 << 63) - 1
 
 
 def close_admission_period(tally: Tally, held: int) -> None:

@@ -20,17 +20,45 @@ TOLERANCE = 0.05
 CHECKED_SCALES = (0.5, 2.0, 4.0)
 
 
+class ReadBetweenFieldsAndHashes(list):
+    """The curve's pending events, read (``catch_up``) each time the engine thread has
+    written an event's fields and not yet its blocks' hashes: where a reader on another
+    thread may take the GIL."""
+
+    def __init__(self, reuse: whatif.PrefixReuse) -> None:
+        super().__init__()
+        self.reuse = reuse
+        self.left_waiting: list[int] = []
+
+    def extend(self, entries) -> None:
+        super().extend(entries)
+        if isinstance(entries, tuple) and entries[0] in (whatif._LOOKUP, whatif._FREED) and entries[-1]:
+            self.reuse.catch_up()
+            self.left_waiting.append(len(self))  # what it could not take in yet
+
+
 @pytest.mark.parametrize(
-    "most_pending",
-    [1 << 62, 8],
-    ids=["caught-up-when-read", "caught-up-on-the-engine-thread"],
+    ("most_pending", "read_mid_event"),
+    [(1 << 62, False), (8, False), (1 << 62, True)],
+    ids=["caught-up-when-read", "caught-up-on-the-engine-thread", "read-between-an-events-fields-and-hashes"],
 )
 def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(
-    make_engine, telemetry, tmp_path, capsys, monkeypatch, most_pending
+    make_engine, telemetry, tmp_path, capsys, monkeypatch, most_pending, read_mid_event
 ):
     # The curve's work waits for its reader; with nobody reading for long, the engine
-    # thread takes some in at each step: the same curve either way.
+    # thread takes some in at each step; a reader may come while an event is half
+    # written: the same curve every way.
     monkeypatch.setattr(whatif, "MOST_PENDING", most_pending)
+    interleaved = []
+    if read_mid_event:
+        init = whatif.PrefixReuse.__init__
+
+        def init_read_mid_event(reuse, *args):
+            init(reuse, *args)
+            reuse._curve_events = ReadBetweenFieldsAndHashes(reuse)
+            interleaved.append(reuse._curve_events)
+
+        monkeypatch.setattr(whatif.PrefixReuse, "__init__", init_read_mid_event)
     engine_slices = []
     catch_up = whatif.PrefixReuse.catch_up
 
@@ -45,6 +73,9 @@ def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(
         measured = pool.map_async(prefix_stream.measured_hit_ratio, sizes)
         engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
         assert bool(engine_slices) == (most_pending == 8)  # the engine thread took slices in only when bound
+        if read_mid_event:  # each read left the half-written event alone: its fields, 7 or 2
+            [events] = interleaved
+            assert events.left_waiting and set(events.left_waiting) == {7, 2}
         measured = dict(zip(CHECKED_SCALES, measured.get(timeout=600)))
 
     projected = {p.attributes[names.POOL_SCALE]: p.value for p in telemetry.points(names.PROJECTED_HIT_RATIO)}

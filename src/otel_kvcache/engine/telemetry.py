@@ -81,7 +81,7 @@ from otel_kvcache.vllm_compat import (
     finish_reasons_by_status,
     held_blocks_counter,
     kv_bytes_per_block,
-    lookup_keys,
+    lookup_keys_reader,
     may_hold_null_blocks,
     new_requests_reader,
     prefix_cache_lookup_test,
@@ -116,7 +116,7 @@ class EngineTelemetry:
         "preemptions", "prefix_cache_queries", "prefix_cache_hits", "allocation_stalls",
         "computed_tokens", "recomputed_tokens", "last_attempt", "_watch_allocation",
         "_schedule_frame", "pending_hits", "type_managers", "held_blocks", "scheduler_requests",
-        "_finish_reasons", "_waiting_for_blocks", "_lookup_enabled", "trace_headers_of",
+        "_finish_reasons", "_waiting_for_blocks", "_lookup_enabled", "_lookup_keys", "trace_headers_of",
         "value_limit", "attribution", "_session_of", "_arrival_of", "_new_requests_of",
         "_resumed_ids_of", "reconciler", "reuse", "preempted_blocks", "preempted_demand",
         "_chores_due", "connectors",
@@ -170,6 +170,7 @@ class EngineTelemetry:
         self._finish_reasons = finish_reasons_by_status()
         self._waiting_for_blocks = statuses_waiting_for_blocks()
         self._lookup_enabled = prefix_cache_lookup_test(manager)
+        self._lookup_keys = lookup_keys_reader()
         self.trace_headers_of = trace_headers_reader()
         self.value_limit = config.client_value_length_limit()
         """The bound on what a client chooses, request ids and trace headers (``bounds.py``)."""
@@ -247,7 +248,7 @@ class EngineTelemetry:
             self.prefix_cache_queries += queried
             self.prefix_cache_hits += num_hits
             used = self.pool.limit - self.pool.queue.num_free_blocks
-            keys = lookup_keys(request, block_size)
+            keys = self._lookup_keys(request, block_size)
             evicted, cold = self.reuse.on_lookup(
                 keys, num_hits // block_size, block_size, queried, used, time.monotonic()
             )
@@ -344,7 +345,7 @@ class EngineTelemetry:
             detail = (computed, reported, len(preempted_for))
         self.event(request.request_id, names.EVENT_PREEMPTED, released, detail)
         # The what-if curve last: a failure there costs it, not the span's event.
-        self.reuse.on_freed(request.block_hashes[: computed // self.block_size])
+        self.reuse.on_freed(request.block_hashes, computed // self.block_size)
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
@@ -416,7 +417,7 @@ class EngineTelemetry:
             self.exporter.went_idle()
         # The what-if curve last: a failure there costs it, not the span nor the idle pass.
         if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
-            self.reuse.on_freed(request.block_hashes[: computed // self.block_size])
+            self.reuse.on_freed(request.block_hashes, computed // self.block_size)
 
     # --- chores and readings ---------------------------------------------------------
 

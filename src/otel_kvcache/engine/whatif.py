@@ -195,19 +195,24 @@ class PrefixReuse:
 
     # --- what vLLM did (on the engine thread) ------------------------------------------
 
-    def on_freed(self, hashes: list) -> None:
-        """A request gave back its blocks, whose hashes these are, shallowest first (a
-        list of the caller's: vLLM frees the deepest first, and the curve takes them in
-        in that order): cached now, or still in use by another."""
+    def on_freed(self, hashes: list, count: int) -> None:
+        """A request gave back its blocks, whose hashes are the first ``count`` of these,
+        shallowest first (vLLM's own list, read now and not kept: vLLM frees the deepest
+        first, and the curve takes them in in that order): cached now, or still in use by
+        another."""
+        if count < len(hashes):
+            hashes = hashes[:count]
         self._freed_lately.update(hashes)
         if len(self._freed_lately) >= self._generation:
             self._freed_before, self._freed_lately = self._freed_lately, set()
-        self._curve_events.extend((_FREED, len(hashes), *hashes))
+        events = self._curve_events
+        events.extend((_FREED, len(hashes)))  # the hashes apart: see catch_up
+        events.extend(hashes)
 
     def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
                   used_blocks: int, now: float) -> tuple[int, int]:  # fmt: skip
         """A counted prefix lookup of a request whose blocks that could hit have these
-        hashes (``vllm_compat.lookup_keys``, a list of its own); the first ``hit_blocks``
+        hashes (``vllm_compat.lookup_keys_reader``, a list of its own); the first ``hit_blocks``
         did. Returns the missed tokens as (evicted, cold); the rest are uncacheable. The
         looked-up blocks are in use from now on."""
         missed = keys[hit_blocks:]
@@ -222,8 +227,9 @@ class PrefixReuse:
         self.evicted_tokens += evicted
         self.cold_tokens += cold
         self.uncacheable_tokens += queried_tokens - block_size * len(keys)
-        # In one call: a reader on another thread takes in whole events (catch_up).
-        self._curve_events.extend((_LOOKUP, hit_blocks, block_size, queried_tokens, used_blocks, now, len(keys), *keys))
+        events = self._curve_events
+        events.extend((_LOOKUP, hit_blocks, block_size, queried_tokens, used_blocks, now, len(keys)))
+        events.extend(keys)
         return evicted, cold
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
@@ -255,19 +261,26 @@ class PrefixReuse:
             return
         try:
             events = self._curve_events
-            # Whole events: each came in one call (the engine thread adds more meanwhile).
-            end = len(events) if most is None else min(len(events), most)
+            # Whole events only: the engine thread adds more meanwhile, each event's fields
+            # in one call and its blocks' hashes in the next (one tuple fewer to build), so
+            # the last event may still lack its hashes.
+            written = len(events)
+            end = written if most is None else min(written, most)
             at = 0
             try:
                 while at < end:
                     kind = events[at]
                     if kind == _LOOKUP:
                         hit_blocks, block_size, queried_tokens, used_blocks, now, count = events[at + 1 : at + 7]
+                        if at + 7 + count > written:
+                            break
                         keys = events[at + 7 : at + 7 + count]
                         at += 7 + count
                         self._curve_lookup(keys, hit_blocks, block_size, queried_tokens, used_blocks, now)
                     elif kind == _FREED:
                         count = events[at + 1]
+                        if at + 2 + count > written:
+                            break
                         hashes = events[at + 2 : at + 2 + count]
                         at += 2 + count
                         hashes.reverse()  # in the order vLLM freed them: deepest first

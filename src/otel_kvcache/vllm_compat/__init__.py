@@ -519,17 +519,30 @@ def block_hash_reader(block: Any) -> Any:
     return attrgetter("_block_hash" if hasattr(block, "_block_hash") else "block_hash")
 
 
-def lookup_keys(request: Any, block_size: int) -> list:
-    """The request's block hashes a prefix lookup could hit: those of its full blocks
-    before its last token (vLLM recomputes that one for its logits) and, from 0.34,
-    within its ``prefix_cache_hit_limit`` (prompt scoring reads no further: the blocks
-    past it are no miss). The limit is read as ``Request.get_max_cache_hit_length``
-    does, without the call."""
-    bound = request.num_tokens - 1
-    limit = getattr(request, "prefix_cache_hit_limit", None)
-    if limit is not None and limit < bound:
-        bound = limit
-    return request.block_hashes[: bound // block_size]
+def lookup_keys_reader() -> Callable[[Any, int], list]:
+    """A function giving, for a request and the block size, the request's block hashes a
+    prefix lookup could hit (a list of its own): those of its full blocks before its last
+    token (vLLM recomputes that one for its logits) and, from 0.34, within its
+    ``prefix_cache_hit_limit`` (prompt scoring reads no further: the blocks past it are no
+    miss), read as ``Request.get_max_cache_hit_length`` does, without the call."""
+    if not internals.is_present(_PREFIX_CACHE_HIT_LIMIT):
+        return lambda request, block_size: request.block_hashes[: (request.num_tokens - 1) // block_size]
+
+    def lookup_keys(request: Any, block_size: int) -> list:
+        bound = request.num_tokens - 1
+        limit = request.prefix_cache_hit_limit
+        if limit is not None and limit < bound:
+            bound = limit
+        return request.block_hashes[: bound // block_size]
+
+    return lookup_keys
+
+
+_PREFIX_CACHE_HIT_LIMIT = internals.Internal(
+    "prefix_cache_hit_limit", internals.REQUEST, "Request", "prefix_cache_hit_limit", "assigned",
+    "prefix lookups bounded for prompt scoring (0.34 on; none before)",
+)  # fmt: skip
+"""Not among ``INTERNALS``: before 0.34 its absence is how vLLM is, not a gap to report."""
 
 
 def real_blocks(blocks: Any, may_hold_null: bool = True) -> int:

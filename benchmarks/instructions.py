@@ -234,7 +234,9 @@ def _counts(
         counts = [c for (v, _), c in zip(runs, counted) if v == variant]
         each = [c["instructions"] for c in counts]
         summed[variant] = {key: sum(c[key] for c in counts) for key in keys}
-        summed[variant].update(apart=counts[0]["apart"], spread=(max(each) - min(each)) * layouts / sum(each))
+        summed[variant].update(
+            apart=counts[0]["apart"], spread=(max(each) - min(each)) * layouts / sum(each), each=each
+        )
     return summed
 
 
@@ -255,6 +257,8 @@ def measure(
             "base_instructions_per_step": base["instructions"] / steps / layouts,
             "base_spread": base["spread"],
             "overhead": extra / base["instructions"],
+            # Each layout's pair alone: what one draw of the lottery, as the gate counts, gives.
+            "overhead_by_layout": [o / b - 1 for o, b in zip(otel["each"], base["each"])],
             "target": TARGETS.get(name),
             "instructions_per_finished_request": extra / max(1, otel["finished"]),
             "tracked_per_finished_request": (otel["tracked"] - base["tracked"]) / max(1, otel["finished"]),
@@ -298,7 +302,8 @@ def report(outcome: dict) -> str:
     ]
     if outcome["layouts"] > 1:
         lines.append(
-            f"{'':<14} summed over {outcome['layouts']} memory layouts, "
+            f"{'':<14} summed over {outcome['layouts']} memory layouts "
+            f"(each alone: {', '.join(f'{100 * o:+.2f} %' for o in outcome['overhead_by_layout'])}), "
             f"between which vLLM's own count moved {100 * outcome['base_spread']:.2f} %"
         )
     if outcome.get("apart"):

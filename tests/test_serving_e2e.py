@@ -13,9 +13,9 @@ import contextlib
 import io
 import json
 import math
-import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -39,7 +39,9 @@ def server(tiny_model, sink, tmp_path_factory):
     config = ServerConfig(model=tiny_model, otlp_endpoint=sink.endpoint, block_size=BLOCK_SIZE, num_blocks=64,
                           max_model_len=2016,  # all 63 usable blocks
                           extra_env={"OTEL_KVCACHE_BAGGAGE_KEYS": TENANT,
-                                     "OTEL_KVCACHE_ATTRIBUTION": f"{names.MODEL},{TENANT}"})  # fmt: skip
+                                     "OTEL_KVCACHE_ATTRIBUTION": f"{names.MODEL},{TENANT}",
+                                     # vLLM's /pause and /resume, with which the top test holds the engine still.
+                                     "VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
     server = VLLMServer(config, tmp_path_factory.mktemp("vllm") / "server.log").start()
     yield server
     server.stop()
@@ -251,70 +253,103 @@ def test_growing_chats_on_a_small_pool_report_vllms_preemptions(server, sink):
         assert len(preempted_events) == attrs[names.PREEMPTIONS]
 
 
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent, as Linux's /proc says (None once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])  # after the command's name, which may hold anything
+
+
 def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink):
-    """``otel-kvcache top --json`` during a load: each snapshot's pool is vLLM's own
-    ``vllm:kv_cache_usage_perc`` within a second of it (the API server's copy of the
-    engine's number trails it by a step), where vLLM's /metrics was read closely enough
-    to tell; and the requests it lists are this engine's, as their spans confirm afterwards."""
-    usage: list[tuple[float, float]] = []  # (time, vLLM's KV usage)
-    MAX_SCRAPE_GAP = 0.5  # seconds
-    done = threading.Event()
+    """``otel-kvcache top --json`` during a load: the pool of this server's EngineCore is
+    vLLM's own ``vllm:kv_cache_usage_perc``, block for block, each time vLLM holds the
+    engine still mid-load; and the requests it lists are this engine's, as their spans
+    confirm afterwards.
 
-    usage_line = re.compile(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+    vLLM reads its pool once a step, after the step freed its finished requests
+    (``Scheduler.update_from_output`` makes the step's ``SchedulerStats``, whether or not
+    the step output a token), and the API server sets the gauge when that step's outputs
+    reach it; the next step takes its blocks before its model runs, and no reading has them
+    until it ends. A snapshot is taken whenever its thread runs, often while the model
+    runs: it sees the step's new blocks and not yet its frees, a pool vLLM never reports
+    (58 blocks used where the gauge peaked at 57, 63 where it read 59), or the blocks of a
+    step vLLM has not finished (14 where it read 0 for two seconds: the load's first
+    prefill). Paused with ``/pause?mode=keep`` (between two steps; the requests keep their
+    blocks), the pool holds still as vLLM last read it, and the two must agree exactly."""
+    SETTLE_SECONDS = 1.0  # for the API server to set the gauge from the engine's last step
+    turn_began = threading.Event()
 
-    def scrape():  # as often as the server answers: the pool changes every few steps under load
-        while not done.is_set():
-            before = time.time()
-            value = sum(float(v) for v in usage_line.findall(server.metrics_text()))
-            usage.append(((before + time.time()) / 2, value))
+    class Together(asyncio.Barrier):
+        """The chats' barrier, which tells the test when a turn's requests are on their way."""
+
+        async def wait(self) -> int:
+            index = await super().wait()
+            if index == 0:  # once a turn
+                turn_began.set()
+            return index
 
     async def chats():
         client = LoadClient(server.url, str(server.config.model))
-        together = asyncio.Barrier(8)
+        together = Together(8)
         try:
             await asyncio.gather(*(growing_chat(client, i, 4, 128, together) for i in range(8)))
         finally:
             await client.close()
         return client.sent
 
-    scraper = threading.Thread(target=scrape, daemon=True)
-    scraper.start()
+    def this_engines_snapshots() -> list[dict]:
+        """``top --json``'s live snapshots of this server's EngineCore, the API server's child:
+        the session's other servers and in-process engines publish to the same directory,
+        some on this model with as many blocks (``test_disagg_e2e.py``'s)."""
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert cli(["top", "--json"]) == 0
+        engines = json.loads(printed.getvalue())["engines"]
+        return [e for e in engines if not e["stale"] and parent_pid(e["pid"]) == server.process.pid]
+
+    def paused() -> tuple[dict, float]:
+        """Pauses the engine: its first snapshot taken then, and vLLM's usage; then resumes it."""
+        keep = {"mode": "keep", "clear_cache": "false"}  # the requests stay, with their blocks and the prefixes
+        httpx.post(server.url + "/pause", params=keep, timeout=60).raise_for_status()
+        paused_at = time.time()  # the engine finished its last step before it answered
+        try:
+            [snapshot] = wait_for(lambda: [e for e in this_engines_snapshots() if e["time"] > paused_at])
+            time.sleep(max(paused_at + SETTLE_SECONDS - time.time(), 0.0))
+            return snapshot, prometheus_value(server.metrics_text(), "vllm:kv_cache_usage_perc")
+        finally:
+            httpx.post(server.url + "/resume", timeout=60).raise_for_status()
+
+    compared = []  # (a snapshot of the paused engine, vLLM's usage then)
+    this_engines_snapshots()  # a reader: the engine publishes its requests from now on
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         load = pool.submit(asyncio.run, chats())
-        frames = []
         while not load.done():
-            printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                assert cli(["top", "--json"]) == 0
-            frames.append(json.loads(printed.getvalue()))
-            time.sleep(0.2)
+            if not turn_began.wait(0.05):
+                continue
+            turn_began.clear()
+            # A turn's requests end together, a second or two after they start on this model,
+            # and a busy API server takes that long to pass a pause on: paused at any moment,
+            # the engine is as often as not between two turns, its pool empty. So it is paused
+            # as a turn begins, while the turn's requests reach it, and again as soon as it
+            # resumed: it takes that pause after one step at least, which gave them blocks.
+            compared += [paused(), paused()]
         sent = load.result()
-    time.sleep(1.5)
-    done.set()
-    scraper.join()
-    engines = [e for frame in frames for e in frame["engines"] if e["model"] == str(server.config.model)]
-    busy = list({e["time"]: e for e in engines if e["pool"]["used"] and not e["stale"]}.values())  # each snapshot once
-    assert len(busy) >= 3, f"{len(busy)} snapshots caught the engine busy"
 
-    def read_closely(at: float) -> bool:
-        """vLLM's usage read every MAX_SCRAPE_GAP at most around ``at``: between two reads
-        further apart, the pool can fill and drain unseen (a loaded server answers late)."""
-        times = [t for t, _ in usage if abs(t - at) <= 1.0]
-        return bool(times) and times[0] - (at - 1.0) <= MAX_SCRAPE_GAP >= (at + 1.0) - times[-1] and all(
-            later - earlier <= MAX_SCRAPE_GAP for earlier, later in zip(times, times[1:])
-        )
-
-    compared = [engine for engine in busy if read_closely(engine["time"])]
-    assert compared, f"vLLM's /metrics read too seldom to compare: {len(compared)} of {len(busy)} snapshots"
-    for engine in compared:
+    busy = [(engine, usage) for engine, usage in compared if engine["pool"]["used"]]
+    assert len(busy) >= 3, f"{len(busy)} of {len(compared)} pauses caught the engine holding blocks"
+    for engine, usage in compared:
         pool = engine["pool"]
+        assert engine["model"] == str(server.config.model)
         assert pool["used"] + pool["cached"] + pool["free"] == pool["limit"] == 63
-        around = [value for at, value in usage if abs(at - engine["time"]) <= 1.0]
-        assert min(around) - 1e-9 <= pool["used"] / pool["limit"] <= max(around) + 1e-9
+        assert pool["used"] / pool["limit"] == pytest.approx(usage, abs=1e-9), (
+            f"top: {pool['used']} blocks used; vLLM: {usage * pool['limit']:.3f}"
+        )
     spans = wait_for(lambda: len(kv_spans(sink, [s.trace_id for s in sent])) == len(sent)
                      and kv_spans(sink, [s.trace_id for s in sent]))  # fmt: skip
     by_id = {span_attributes(span)[names.REQUEST_ID]: span_attributes(span) for _, span in spans}
-    rows = [row for engine in busy for row in engine["requests"]]
+    rows = [row for engine, _ in compared for row in engine["requests"]]
     assert rows
     for row in rows:
         attributes = by_id[row["id"]]  # a request of this load, on this engine

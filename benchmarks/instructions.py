@@ -224,7 +224,7 @@ def _counts(
 ) -> dict:
     """Each variant's ``count`` at each of ``layouts`` layouts, two processes at a time, summed
     (the timed chores apart: the first layout's), with ``spread``: how far the window's count
-    moved between layouts, of its mean."""
+    moved between layouts, of its mean, and ``each``: the window's count at each layout."""
     runs = [(variant, layout) for layout in range(layouts) for variant in variants]
     with ThreadPoolExecutor(2) as pool:  # two processes side by side: counts don't mind
         counted = list(pool.map(lambda run: count(run[0], workload_name, steps, seed, cache_sim, run[1]), runs))

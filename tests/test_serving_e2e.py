@@ -277,7 +277,8 @@ def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink
     (58 blocks used where the gauge peaked at 57, 63 where it read 59), or the blocks of a
     step vLLM has not finished (14 where it read 0 for two seconds: the load's first
     prefill). Paused with ``/pause?mode=keep`` (between two steps; the requests keep their
-    blocks), the pool holds still as vLLM last read it, and the two must agree exactly."""
+    blocks), the pool holds still as vLLM last read it (no client of this load aborts, which
+    would free blocks while paused), and the two must agree exactly."""
     SETTLE_SECONDS = 1.0  # for the API server to set the gauge from the engine's last step
     turn_began = threading.Event()
 
@@ -311,7 +312,9 @@ def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink
 
     def paused() -> tuple[dict, float]:
         """Pauses the engine: its first snapshot taken then, and vLLM's usage; then resumes it."""
-        keep = {"mode": "keep", "clear_cache": "false"}  # the requests stay, with their blocks and the prefixes
+        # The requests stay, with their blocks and the prefixes: vLLM 0.30-0.34 clear the caches
+        # at a pause in every mode unless told not to, preempting the running requests.
+        keep = {"mode": "keep", "clear_cache": "false"}
         httpx.post(server.url + "/pause", params=keep, timeout=60).raise_for_status()
         paused_at = time.time()  # the engine finished its last step before it answered
         try:

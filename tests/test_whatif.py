@@ -53,8 +53,8 @@ def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(
     if read_mid_event:
         init = whatif.PrefixReuse.__init__
 
-        def init_read_mid_event(reuse, *args):
-            init(reuse, *args)
+        def init_read_mid_event(reuse, *args, **kwargs):
+            init(reuse, *args, **kwargs)
             reuse._curve_events = ReadBetweenFieldsAndHashes(reuse)
             interleaved.append(reuse._curve_events)
 
@@ -237,3 +237,88 @@ def test_a_failing_curve_event_is_dropped_and_counted_and_vllm_runs_on(make_engi
     assert len(taken) > 1  # the failed event went; the ones after it were taken in
     # Each lookup taken in once, the failed one too: their tokens are vLLM's queries.
     assert sum(queried_tokens for _, _, _, queried_tokens, _, _ in taken) == engine.truth.prefix_queries
+
+
+def test_an_event_whose_hashes_never_came_costs_the_curve_a_restart_and_no_more(make_engine, telemetry, monkeypatch):
+    """An event's hashes follow its fields in a second call: where that call fails (a
+    ``MemoryError``, an interrupt), the entries after it cannot be read as events. The
+    reader finds that (the kinds are objects no field or hash can be), drops what waits,
+    and the curve starts again: counted, vLLM served, and the events after it taken in."""
+    monkeypatch.setattr(whatif, "MOST_PENDING", 8)  # the engine thread reads at every step
+
+    class HashesFailOnce(list):
+        failed_at = None
+
+        def extend(self, entries) -> None:
+            if type(entries) is list and entries and HashesFailOnce.failed_at is None:
+                HashesFailOnce.failed_at = len(made)
+                raise MemoryError("injected between an event's fields and its hashes")
+            super().extend(entries)
+
+    init = whatif.PrefixReuse.__init__
+
+    def init_failing(reuse, *args, **kwargs):
+        init(reuse, *args, **kwargs)
+        reuse._curve_events = HashesFailOnce()
+
+    made, taken = [], []  # each lookup's keys and queried tokens, as the engine saw it and as the curve took it in
+    on_lookup, curve_lookup = whatif.PrefixReuse.on_lookup, whatif.PrefixReuse._curve_lookup
+
+    def recording_on_lookup(reuse, keys, hit_blocks, block_size, queried_tokens, *rest):
+        made.append((list(keys), queried_tokens))
+        return on_lookup(reuse, keys, hit_blocks, block_size, queried_tokens, *rest)
+
+    def recording_curve_lookup(reuse, keys, hit_blocks, block_size, queried_tokens, *rest):
+        taken.append((list(keys), queried_tokens))
+        curve_lookup(reuse, keys, hit_blocks, block_size, queried_tokens, *rest)
+
+    monkeypatch.setattr(whatif.PrefixReuse, "__init__", init_failing)
+    monkeypatch.setattr(whatif.PrefixReuse, "on_lookup", recording_on_lookup)
+    monkeypatch.setattr(whatif.PrefixReuse, "_curve_lookup", recording_curve_lookup)
+    engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
+
+    assert not engine.scheduler.has_requests()  # vLLM served the whole stream
+    assert HashesFailOnce.failed_at is not None
+    errors = {p.attributes[names.HOOK]: p.value for p in telemetry.points(names.INSTRUMENTATION_ERRORS)}
+    assert errors.pop("Scheduler.schedule") >= 1  # the reading that found the loss (keep_up, at a step)
+    assert sum(errors.values()) == 1  # the hook whose call failed, once
+    assert not engine.scheduler._otel_kvcache_engine.reuse._curve_events  # all taken in at the collection
+    # The lookups after the loss went into the curve as vLLM made them, to the last one.
+    later = made[HashesFailOnce.failed_at + 1 :]
+    assert len(later) > 20 and taken[-len(later) // 2 :] == later[-len(later) // 2 :]
+
+
+def test_a_read_that_lost_the_events_order_starts_the_curve_again_rather_than_sticking():
+    """One lookup's hashes lost (their call failed), then a lookup without a hit. Read as
+    the lost hashes, the next event's kind leaves the reader on that lookup's hit count, 0:
+    while the kinds were integers, taken for a lookup whose count was a hash, a ``TypeError``
+    at every reading from then on and the events waiting without bound. Kinds that no field
+    can be let the reader find the loss: it drops what waits, and the curve starts again."""
+    import hashlib
+
+    block_hash = [hashlib.sha256(bytes([n])).digest() for n in range(3)]  # as vLLM's hasher makes them
+
+    class HashesFailOnce(list):
+        failed = False
+
+        def extend(self, entries) -> None:
+            if type(entries) is list and not HashesFailOnce.failed:
+                HashesFailOnce.failed = True
+                raise MemoryError("injected between an event's fields and its hashes")
+            super().extend(entries)
+
+    reuse = whatif.PrefixReuse(pool_blocks=64, sample_rate=0.5)
+    reuse._curve_events = HashesFailOnce()
+    with pytest.raises(MemoryError):
+        reuse.on_lookup(block_hash[:1], 0, 16, 32, 0, 1.0)
+    reuse.on_lookup(block_hash[1:3], 0, 16, 48, 1, 2.0)
+    failures = []
+    for _ in range(3):
+        try:
+            reuse.catch_up()
+        except Exception as exc:  # noqa: BLE001 - what the caller counts
+            failures.append(type(exc))
+    assert failures and failures[-1] is ValueError and len(failures) <= 2
+    assert not reuse._curve_events  # dropped, not left waiting
+    reuse.on_lookup(block_hash[1:3], 2, 16, 48, 2, 3.0)  # the curve goes on
+    assert reuse.projected_hit_ratios(now=3.0)  # taken in: a window with looked-up tokens

@@ -151,8 +151,9 @@ class _Window:
         return total
 
 
-# The kinds of the events waiting for the curve.
-_LOOKUP, _FREED, _DEMAND, _RESET = range(4)
+# The kinds of the events waiting for the curve: objects no field or hash can be, so that an
+# event whose hashes never came (an exception between its two calls) is found.
+_LOOKUP, _FREED, _DEMAND, _RESET = (object() for _ in range(4))
 
 # A window bucket's fields.
 _LOOKED_UP, _HIT, _PEAK, _GAIN = 0, 1, 2, 3
@@ -186,7 +187,9 @@ class PrefixReuse:
         """What vLLM did that the curve has yet to take in, in order (``catch_up``): each
         event's kind and fields one after another in one list, so that the events waiting
         add no object for the garbage collector to count (a tuple and a list each had it
-        collect the young generation four times as often on churn)."""
+        collect the young generation four times as often on churn). Only the engine thread
+        writes here (``catch_up`` relies on it: an event is half written only between its
+        two calls)."""
         self._catching_up = threading.Lock()
         # Cumulative miss reasons, in tokens (observable counters).
         self.evicted_tokens = 0
@@ -256,28 +259,30 @@ class PrefixReuse:
         """Takes what vLLM did since the last reading into the curve, in order: all of
         it, or the events that begin within the first ``most`` entries. With ``wait``
         False, nothing if another thread is taking them in. An event that fails is
-        dropped with those before it (the error reaches the caller)."""
+        dropped with those before it (the error reaches the caller). Where an event's
+        hashes never came, what follows cannot be read: everything waiting is dropped, the
+        curve starts again, and a ``ValueError`` says so."""
         if not self._catching_up.acquire(blocking=wait):
             return
         try:
             events = self._curve_events
             # Whole events only: the engine thread adds more meanwhile, each event's fields
-            # in one call and its blocks' hashes in the next (one tuple fewer to build), so
-            # the last event may still lack its hashes.
+            # in one call and its blocks' hashes in the next (no list and tuple built around
+            # the hashes), so the last event may still lack its hashes.
             written = len(events)
             end = written if most is None else min(written, most)
             at = 0
             try:
                 while at < end:
                     kind = events[at]
-                    if kind == _LOOKUP:
+                    if kind is _LOOKUP:
                         hit_blocks, block_size, queried_tokens, used_blocks, now, count = events[at + 1 : at + 7]
                         if at + 7 + count > written:
                             break
                         keys = events[at + 7 : at + 7 + count]
                         at += 7 + count
                         self._curve_lookup(keys, hit_blocks, block_size, queried_tokens, used_blocks, now)
-                    elif kind == _FREED:
+                    elif kind is _FREED:
                         count = events[at + 1]
                         if at + 2 + count > written:
                             break
@@ -285,13 +290,17 @@ class PrefixReuse:
                         at += 2 + count
                         hashes.reverse()  # in the order vLLM freed them: deepest first
                         self._curve_freed(hashes)
-                    elif kind == _DEMAND:
+                    elif kind is _DEMAND:
                         demand, now = events[at + 1 : at + 3]
                         at += 3
                         self._curve_demand(demand, now)
-                    else:
+                    elif kind is _RESET:
                         at += 1
                         self._curve_reset()
+                    else:  # a field or a hash: an earlier event's hashes never came
+                        at = written
+                        self._curve_reset()
+                        raise ValueError("the what-if curve's events lost their order; it starts again")
             finally:
                 del events[:at]  # up to the end of the last event begun, taken in or failed
         finally:

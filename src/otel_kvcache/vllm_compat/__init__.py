@@ -38,7 +38,7 @@ What changed between the releases we support, and what it means here:
   runner). ``BlockPool.free_blocks(..., evict_first=True)`` (the CPU-offloading
   connector in lazy mode only) prepends cached blocks: ``pool.py`` keeps them apart.
   ``skip_reading_prefix_cache`` became ``Request.prefix_cache_hit_limit``: a lookup
-  reads no further than it (``lookup_keys``); queries still count ``num_tokens``.
+  reads no further than it (``lookup_keys_reader``); queries still count ``num_tokens``.
   The waiting loop runs on once the batch is full, to start asynchronous KV loads
   only (``async_kv_waiting``, ``--max-num-inflight-kv-loads``), and skips a
   multimodal request under encoder-cache pressure: either can leave the step's last
@@ -524,7 +524,9 @@ def lookup_keys_reader() -> Callable[[Any, int], list]:
     prefix lookup could hit (a list of its own): those of its full blocks before its last
     token (vLLM recomputes that one for its logits) and, from 0.34, within its
     ``prefix_cache_hit_limit`` (prompt scoring reads no further: the blocks past it are no
-    miss), read as ``Request.get_max_cache_hit_length`` does, without the call."""
+    miss), read as ``Request.get_max_cache_hit_length`` does, without the call (and without
+    the bound an auxiliary-output connector may add, ``max_cache_hit``: its blocks past it
+    count as misses)."""
     if not internals.is_present(_PREFIX_CACHE_HIT_LIMIT):
         return lambda request, block_size: request.block_hashes[: (request.num_tokens - 1) // block_size]
 

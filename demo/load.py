@@ -93,9 +93,9 @@ class LoadClient:
         return sent, payload["choices"][0]["message"]["content"]
 
     async def stream_then_disconnect(self, scenario: str, prompt: str, chunks_before_leaving: int,
-                                     tenant: str = TENANTS[1]) -> SentRequest:  # fmt: skip
+                                     tenant: str = TENANTS[1], max_tokens: int = 1000) -> SentRequest:  # fmt: skip
         sent, headers = self._new(scenario, tenant)
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         async with self.http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             sent.status = response.status_code
             received = 0

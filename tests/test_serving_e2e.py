@@ -284,6 +284,9 @@ def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink
     blocks), the pool holds still as vLLM last read it (no client of this load aborts, which
     would free blocks while paused), and the two must agree exactly."""
     SETTLE_SECONDS = 1.0  # for the API server to set the gauge from the engine's last step
+    # Answers long enough that a turn outlasts a pause or two: at 128 tokens, with the prefixes
+    # cached, turns ended within a second, and a loaded host's pauses found 1 of 6 busy.
+    TURN_TOKENS = 256
     turn_began = threading.Event()
 
     class Together(asyncio.Barrier):
@@ -299,7 +302,7 @@ def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink
         client = LoadClient(server.url, str(server.config.model))
         together = Together(8)
         try:
-            await asyncio.gather(*(growing_chat(client, i, 4, 128, together) for i in range(8)))
+            await asyncio.gather(*(growing_chat(client, i, 4, TURN_TOKENS, together) for i in range(8)))
         finally:
             await client.close()
         return client.sent

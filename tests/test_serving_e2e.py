@@ -15,9 +15,9 @@ import json
 import math
 import threading
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
@@ -257,15 +257,6 @@ def test_growing_chats_on_a_small_pool_report_vllms_preemptions(server, sink):
         assert len(preempted_events) == attrs[names.PREEMPTIONS]
 
 
-def parent_pid(pid: int) -> int | None:
-    """``pid``'s parent, as Linux's /proc says (None once it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rpartition(")")[2].split()[1])  # after the command's name, which may hold anything
-
-
 def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink):
     """``otel-kvcache top --json`` during a load: the pool of this server's EngineCore is
     vLLM's own ``vllm:kv_cache_usage_perc``, block for block, each time vLLM holds the
@@ -315,7 +306,8 @@ def test_top_shows_vllms_kv_usage_and_live_requests_while_chats_run(server, sink
         with contextlib.redirect_stdout(printed):
             assert cli(["top", "--json"]) == 0
         engines = json.loads(printed.getvalue())["engines"]
-        return [e for e in engines if not e["stale"] and parent_pid(e["pid"]) == server.process.pid]
+        children = {child.pid for child in psutil.Process(server.process.pid).children()}
+        return [e for e in engines if not e["stale"] and e["pid"] in children]
 
     def paused() -> tuple[dict, float]:
         """Pauses the engine: its first snapshot taken then, and vLLM's usage; then resumes it."""

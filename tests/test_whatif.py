@@ -37,6 +37,38 @@ class ReadBetweenFieldsAndHashes(list):
             self.left_waiting.append(len(self))  # what it could not take in yet
 
 
+class HashesFailOnce(list):
+    """The curve's pending events, where the first call adding an event's hashes fails, as
+    a ``MemoryError`` or an interrupt between an event's two calls would have it; what
+    ``at_failure()`` returned then is kept in ``failed_at``."""
+
+    def __init__(self, at_failure=lambda: True) -> None:
+        super().__init__()
+        self.at_failure = at_failure
+        self.failed_at = None
+
+    def extend(self, entries) -> None:
+        if type(entries) is list and entries and self.failed_at is None:
+            self.failed_at = self.at_failure()
+            raise MemoryError("injected between an event's fields and its hashes")
+        super().extend(entries)
+
+
+def pending_events_in(monkeypatch, make_events) -> list:
+    """Every ``PrefixReuse`` made from now on keeps its pending events in ``make_events(reuse)``;
+    returns those lists, as they are made."""
+    made = []
+    init = whatif.PrefixReuse.__init__
+
+    def init_with_events(reuse, *args, **kwargs):
+        init(reuse, *args, **kwargs)
+        reuse._curve_events = make_events(reuse)
+        made.append(reuse._curve_events)
+
+    monkeypatch.setattr(whatif.PrefixReuse, "__init__", init_with_events)
+    return made
+
+
 @pytest.mark.parametrize(
     ("most_pending", "read_mid_event"),
     [(1 << 62, False), (8, False), (1 << 62, True)],
@@ -49,16 +81,7 @@ def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(
     # thread takes some in at each step; a reader may come while an event is half
     # written: the same curve every way.
     monkeypatch.setattr(whatif, "MOST_PENDING", most_pending)
-    interleaved = []
-    if read_mid_event:
-        init = whatif.PrefixReuse.__init__
-
-        def init_read_mid_event(reuse, *args, **kwargs):
-            init(reuse, *args, **kwargs)
-            reuse._curve_events = ReadBetweenFieldsAndHashes(reuse)
-            interleaved.append(reuse._curve_events)
-
-        monkeypatch.setattr(whatif.PrefixReuse, "__init__", init_read_mid_event)
+    interleaved = pending_events_in(monkeypatch, ReadBetweenFieldsAndHashes) if read_mid_event else []
     engine_slices = []
     catch_up = whatif.PrefixReuse.catch_up
 
@@ -245,22 +268,6 @@ def test_an_event_whose_hashes_never_came_costs_the_curve_a_restart_and_no_more(
     reader finds that (the kinds are objects no field or hash can be), drops what waits,
     and the curve starts again: counted, vLLM served, and the events after it taken in."""
     monkeypatch.setattr(whatif, "MOST_PENDING", 8)  # the engine thread reads at every step
-
-    class HashesFailOnce(list):
-        failed_at = None
-
-        def extend(self, entries) -> None:
-            if type(entries) is list and entries and HashesFailOnce.failed_at is None:
-                HashesFailOnce.failed_at = len(made)
-                raise MemoryError("injected between an event's fields and its hashes")
-            super().extend(entries)
-
-    init = whatif.PrefixReuse.__init__
-
-    def init_failing(reuse, *args, **kwargs):
-        init(reuse, *args, **kwargs)
-        reuse._curve_events = HashesFailOnce()
-
     made, taken = [], []  # each lookup's keys and queried tokens, as the engine saw it and as the curve took it in
     on_lookup, curve_lookup = whatif.PrefixReuse.on_lookup, whatif.PrefixReuse._curve_lookup
 
@@ -272,19 +279,20 @@ def test_an_event_whose_hashes_never_came_costs_the_curve_a_restart_and_no_more(
         taken.append((list(keys), queried_tokens))
         curve_lookup(reuse, keys, hit_blocks, block_size, queried_tokens, *rest)
 
-    monkeypatch.setattr(whatif.PrefixReuse, "__init__", init_failing)
+    pending = pending_events_in(monkeypatch, lambda reuse: HashesFailOnce(at_failure=lambda: len(made)))
     monkeypatch.setattr(whatif.PrefixReuse, "on_lookup", recording_on_lookup)
     monkeypatch.setattr(whatif.PrefixReuse, "_curve_lookup", recording_curve_lookup)
     engine = prefix_stream.replay(make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32))
 
     assert not engine.scheduler.has_requests()  # vLLM served the whole stream
-    assert HashesFailOnce.failed_at is not None
+    [events] = pending
+    assert events.failed_at is not None
     errors = {p.attributes[names.HOOK]: p.value for p in telemetry.points(names.INSTRUMENTATION_ERRORS)}
     assert errors.pop("Scheduler.schedule") >= 1  # the reading that found the loss (keep_up, at a step)
     assert sum(errors.values()) == 1  # the hook whose call failed, once
-    assert not engine.scheduler._otel_kvcache_engine.reuse._curve_events  # all taken in at the collection
+    assert not events  # all taken in at the collection
     # The lookups after the loss went into the curve as vLLM made them, to the last one.
-    later = made[HashesFailOnce.failed_at + 1 :]
+    later = made[events.failed_at + 1 :]
     assert len(later) > 20 and taken[-len(later) // 2 :] == later[-len(later) // 2 :]
 
 
@@ -297,16 +305,6 @@ def test_a_read_that_lost_the_events_order_starts_the_curve_again_rather_than_st
     import hashlib
 
     block_hash = [hashlib.sha256(bytes([n])).digest() for n in range(3)]  # as vLLM's hasher makes them
-
-    class HashesFailOnce(list):
-        failed = False
-
-        def extend(self, entries) -> None:
-            if type(entries) is list and not HashesFailOnce.failed:
-                HashesFailOnce.failed = True
-                raise MemoryError("injected between an event's fields and its hashes")
-            super().extend(entries)
-
     reuse = whatif.PrefixReuse(pool_blocks=64, sample_rate=0.5)
     reuse._curve_events = HashesFailOnce()
     with pytest.raises(MemoryError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -148,6 +149,42 @@ def test_unwatched_an_engine_publishes_no_holders_nor_requests(model_config, pub
     publisher.publish()
     frame = engine_frame(capsys)
     assert frame["detailed"] and [(r["id"], r["blocks"]) for r in frame["requests"]] == [("alone", harness.held_blocks("alone"))]
+
+
+def spend_thread_time(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_rounds_budget_is_the_building_of_its_snapshots_not_the_writing_of_their_files(
+    model_config, publisher, monkeypatch
+):
+    """A slow file system's open, write and rename (5 ms of the thread's time here, the GIL
+    free meanwhile) leave the next round a second away; snapshots costing 5 ms of Python
+    to build put it five seconds away (``BUDGET``)."""
+    monkeypatch.setattr(live_snapshot, "PUBLISH_SECONDS", 1.0)  # the thread waits on: its wait began at 3600
+    harness = EngineHarness(make_scheduler(model_config, num_blocks=16))
+    harness.add(harness.make_request("alone", prompt_len=40, max_tokens=20))
+    harness.step()
+    write = live_snapshot.write_snapshot
+
+    def slow_write(path, data):
+        spend_thread_time(0.005)
+        write(path, data)
+
+    monkeypatch.setattr(live_snapshot, "write_snapshot", slow_write)
+    publisher.publish()
+    assert publisher.interval == 1.0
+    build = publisher.snapshot_of
+
+    def slow_build(*args):
+        spend_thread_time(0.005)
+        return build(*args)
+
+    monkeypatch.setattr(publisher, "snapshot_of", slow_build)
+    publisher.publish()
+    assert 5.0 <= publisher.interval < 10.0
 
 
 def test_a_directory_others_can_open_is_refused(tmp_path, monkeypatch, caplog):

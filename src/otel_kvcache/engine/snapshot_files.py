@@ -100,9 +100,12 @@ def snapshot_path(directory: Path, pid: int, engine_index: int, serial: int) -> 
     return directory / f"engine-{pid}-{engine_index}-{serial}.json"
 
 
-def write_snapshot(path: Path, snapshot: dict[str, Any]) -> None:
-    """Replaces ``path`` with ``snapshot`` whole, readable by this user only."""
-    data = json.dumps(snapshot, separators=(",", ":")).encode()
+def encode_snapshot(snapshot: dict[str, Any]) -> bytes:
+    return json.dumps(snapshot, separators=(",", ":")).encode()
+
+
+def write_snapshot(path: Path, data: bytes) -> None:
+    """Replaces ``path`` with the encoded snapshot ``data`` whole, readable by this user only."""
     temporary = path.with_name(f".{path.name}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(descriptor, "wb") as file:

@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         for variable, value in ATTRIBUTION_SETTINGS.items():
             progress.note(f"{variable}={value}")
         with progress.step("running the load through the OpenAI API"), BusiestFrame(SERVED_MODEL_NAME) as top:
-            sent = asyncio.run(run_load(server.url, server.config.model_name, shape, progress=progress.note))
+            load = run_load(
+                server.url, server.config.model_name, shape, progress=progress.note, streams_stay_until=top.saw_requests
+            )
+            sent = asyncio.run(load)
+        progress.note(f"otel-kvcache top read {len(top.snapshots)} snapshots of the engine during the load")
         # vLLM's own view, to read the table against: which requests its engine ended.
         time.sleep(1)  # the API server's stats trail the last responses
         metrics_text = server.metrics_text()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 from dataclasses import dataclass, field
 
 import httpx
@@ -93,7 +94,10 @@ class LoadClient:
         return sent, payload["choices"][0]["message"]["content"]
 
     async def stream_then_disconnect(self, scenario: str, prompt: str, chunks_before_leaving: int,
-                                     tenant: str = TENANTS[1], max_tokens: int = 1000) -> SentRequest:  # fmt: skip
+                                     tenant: str = TENANTS[1], max_tokens: int = 1000,
+                                     stay_until: threading.Event | None = None) -> SentRequest:  # fmt: skip
+        """Leaves after ``chunks_before_leaving`` chunks and, with ``stay_until``, not before
+        it is set (the answer ends on its own if it comes to ``max_tokens`` first)."""
         sent, headers = self._new(scenario, tenant)
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         async with self.http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
@@ -102,7 +106,7 @@ class LoadClient:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     received += 1
-                    if received >= chunks_before_leaving:
+                    if received >= chunks_before_leaving and (stay_until is None or stay_until.is_set()):
                         sent.disconnected = True
                         break  # closing the stream drops the connection mid-answer
         return sent
@@ -129,10 +133,14 @@ async def shared_prefix_burst(client: LoadClient, count: int, max_tokens: int) -
     await asyncio.gather(*(client.complete("shared system prompt", p, max_tokens) for p in prompts))
 
 
-async def disconnecting_streams(client: LoadClient, count: int, chunks_before_leaving: int = 2) -> None:
+async def disconnecting_streams(
+    client: LoadClient, count: int, chunks_before_leaving: int = 2, stay_until: threading.Event | None = None
+) -> None:
     await asyncio.gather(
         *(
-            client.stream_then_disconnect("client disconnects", f"Stream {i}: {QUESTIONS[i % 6]}", chunks_before_leaving)
+            client.stream_then_disconnect(
+                "client disconnects", f"Stream {i}: {QUESTIONS[i % 6]}", chunks_before_leaving, stay_until=stay_until
+            )
             for i in range(count)
         )
     )
@@ -148,8 +156,12 @@ class LoadShape:
     streams: int = 4
 
 
-async def run_load(base_url: str, model: str, shape: LoadShape, progress=None) -> list[SentRequest]:
-    """All three scenarios; ``progress(text)`` is told when each starts."""
+async def run_load(
+    base_url: str, model: str, shape: LoadShape, progress=None, streams_stay_until: threading.Event | None = None
+) -> list[SentRequest]:
+    """The three scenarios, one after another; ``progress(text)`` is told when each starts.
+    With ``streams_stay_until``, the streaming clients leave only once it is set: they come
+    last, alone, so that staying adds no pressure on the chats' blocks."""
     client = LoadClient(base_url, model)
     together = asyncio.Barrier(shape.chats)
     scenarios = (
@@ -158,12 +170,14 @@ async def run_load(base_url: str, model: str, shape: LoadShape, progress=None) -
             lambda: shared_prefix_burst(client, shape.burst, shape.burst_max_tokens),
         ),
         (
-            f"{shape.chats} chats x {shape.turns} growing turns, while {shape.streams} streaming clients"
-            " disconnect mid-answer",
+            f"{shape.chats} chats x {shape.turns} growing turns",
             lambda: asyncio.gather(
-                disconnecting_streams(client, shape.streams),
-                *(growing_chat(client, i, shape.turns, shape.chat_max_tokens, together) for i in range(shape.chats)),
+                *(growing_chat(client, i, shape.turns, shape.chat_max_tokens, together) for i in range(shape.chats))
             ),
+        ),
+        (
+            f"{shape.streams} streaming clients disconnect mid-answer",
+            lambda: disconnecting_streams(client, shape.streams, stay_until=streams_stay_until),
         ),
     )
     try:

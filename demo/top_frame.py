@@ -13,17 +13,25 @@ READY_SECONDS = 15.0
 
 
 class BusiestFrame:
-    """Reads the live snapshots twice a second, as ``otel-kvcache top`` does, and keeps the
+    """Reads the live snapshots five times a second, as ``otel-kvcache top`` does, and keeps the
     frame in which the most requests of the served model held blocks (then the most blocks).
 
     An engine publishes once a second, and in full (its requests) only once a reader has
     shown up: entering waits for such a snapshot, so that a load of a few seconds, started
-    as soon as the server answers, is watched from its first request."""
+    as soon as the server answers, is watched from its first request.
+
+    A short load can still fall between two snapshots (it lasts a second or two on a fast
+    host): ``saw_requests`` is set at the first frame listing requests, and the main job's
+    streaming clients stay until then."""
 
     def __init__(self, model: str, every: float = 0.2) -> None:
         self.model = model
         self.every = every
         self.frame: dict | None = None
+        self.saw_requests = threading.Event()
+        self.snapshots: set[tuple[int, float]] = set()
+        """The engine snapshots read while the load ran, by process and time."""
+        self._error: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="busiest-top-frame", daemon=True)
 
@@ -37,6 +45,8 @@ class BusiestFrame:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("reading the engines' snapshots failed") from self._error
 
     def _read(self) -> dict:
         """A frame of the served model's engines publishing in full now (reading marks them watched)."""
@@ -47,10 +57,17 @@ class BusiestFrame:
         return frame
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.every):
-            frame = self._read()
-            if frame["engines"] and busy(frame) > (busy(self.frame) if self.frame else (-1, -1)):
-                self.frame = frame
+        try:
+            while not self._stop.wait(self.every):
+                frame = self._read()
+                self.snapshots.update((engine["pid"], engine["time"]) for engine in frame["engines"])
+                if frame["engines"] and busy(frame) > (busy(self.frame) if self.frame else (-1, -1)):
+                    self.frame = frame
+                if any(engine["requests"] for engine in frame["engines"]):
+                    self.saw_requests.set()
+        except Exception as exc:  # noqa: BLE001 - said when the load ends, rather than lost with this thread
+            self._error = exc
+            self.saw_requests.set()  # the streaming clients need not wait for it
 
 
 def busy(frame: dict) -> tuple[int, int]:

@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                 server.url, server.config.model_name, shape, progress=progress.note, streams_stay_until=top.saw_requests
             )
             sent = asyncio.run(load)
-        progress.note(f"otel-kvcache top read {len(top.snapshots)} snapshots of the engine during the load")
+        progress.note(
+            f"otel-kvcache top read {len(top.snapshots)} snapshots of the engine during the load,"
+            f" at most {top.widest_gap():.1f} s apart"
+        )
         # vLLM's own view, to read the table against: which requests its engine ended.
         time.sleep(1)  # the API server's stats trail the last responses
         metrics_text = server.metrics_text()

@@ -48,6 +48,14 @@ class BusiestFrame:
         if self._error is not None:
             raise RuntimeError("reading the engines' snapshots failed") from self._error
 
+    def widest_gap(self) -> float:
+        """The most seconds between two snapshots read of one engine (a stalled publisher shows here)."""
+        gaps = [0.0]
+        for pid in {pid for pid, _ in self.snapshots}:
+            times = sorted(t for p, t in self.snapshots if p == pid)
+            gaps += [later - earlier for earlier, later in zip(times, times[1:])]
+        return max(gaps)
+
     def _read(self) -> dict:
         """A frame of the served model's engines publishing in full now (reading marks them watched)."""
         frame = json_frame(read_snapshots(), [], "snapshots")

@@ -2,9 +2,11 @@
 
 One daemon thread per engine process, started with its first engine, writes each
 engine's snapshot (``engine/snapshot_files.py`` says where, and how it is kept private) at
-most once a second, and at most ``BUDGET`` of the time: after a round whose snapshots took
-t of the thread's own time to build, the next waits at least t / ``BUDGET``, so a huge pool
-is published less often rather than at a greater cost. That time is spent under the GIL:
+most once a second, and at most ``BUDGET`` of the time: after two rounds whose snapshots took
+at least t of the thread's own time to build, the next waits at least t / ``BUDGET``, so a
+huge pool is published less often rather than at a greater cost. The lesser of the last two
+rounds, so that one slow round (a garbage collection in this thread, say) does not leave
+``top`` without a snapshot for seconds. That time is spent under the GIL:
 time the engine thread may wait for it (measured in benchmarks/RESULTS.md, "The live
 snapshot"). The files' writing is not counted: the GIL is free while the kernel opens,
 writes and renames. Counted, that work alone put the next snapshot up to 1.45 s away on a
@@ -97,6 +99,8 @@ class SnapshotPublisher:
         self.errors = errors
         self.top_requests = config.top_requests()
         self.interval = PUBLISH_SECONDS
+        self._last_building = 0.0
+        """The last round's snapshots' building time, in this thread's own seconds."""
         self._engines: weakref.WeakKeyDictionary[EngineTelemetry, tuple[Path, RateWindow]] = (
             weakref.WeakKeyDictionary()
         )
@@ -170,7 +174,8 @@ class SnapshotPublisher:
                     write_snapshot(path, data)
                 except Exception as exc:  # noqa: BLE001 - ours: counted, and the next round tries again
                     self.errors.count(HOOK, exc)
-        self.interval = max(PUBLISH_SECONDS, building / BUDGET)
+        self.interval = max(PUBLISH_SECONDS, min(building, self._last_building) / BUDGET)
+        self._last_building = building
 
     def snapshot_of(self, engine: EngineTelemetry, rates: RateWindow, detailed: bool = True) -> dict[str, Any]:
         """The engine now, in the format ``docs/top.md`` describes; its holders and

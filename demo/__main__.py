@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -92,6 +93,13 @@ class Progress:
         self.console.print(f"  · {text}")
 
 
+def held_blocks_exported(sink: OTLPSink) -> bool:
+    """Whether a metric collection has found blocks held (``vllm.kv_cache.held_blocks``):
+    the holders' table and the report's chart of them are read from those points."""
+    points = (point for _, metric in sink.metrics(names.HELD_BLOCKS) for point in metric.gauge.data_points)
+    return any(point.as_double > 0 for point in points)
+
+
 def aborted(count: int) -> str:
     """The requests vLLM's engine did not end: aborted when their clients left."""
     if count == 0:
@@ -137,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         progress.note(f"{EXCLUDE_ASGI_SPANS}={server.environment()[EXCLUDE_ASGI_SPANS]}")
         for variable, value in ATTRIBUTION_SETTINGS.items():
             progress.note(f"{variable}={value}")
-        with progress.step("running the load through the OpenAI API"), BusiestFrame(SERVED_MODEL_NAME) as top:
+        watch = BusiestFrame(SERVED_MODEL_NAME, exported=None if sink is None else partial(held_blocks_exported, sink))
+        with progress.step("running the load through the OpenAI API"), watch as top:
             load = run_load(
-                server.url, server.config.model_name, shape, progress=progress.note, streams_stay_until=top.saw_requests
+                server.url, server.config.model_name, shape, progress=progress.note, streams_stay_until=top.load_seen
             )
             sent = asyncio.run(load)
         progress.note(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from otel_kvcache.commands.top.frame import json_frame
 from otel_kvcache.engine.snapshot_files import read_snapshots
@@ -20,15 +21,19 @@ class BusiestFrame:
     shown up: entering waits for such a snapshot, so that a load of a few seconds, started
     as soon as the server answers, is watched from its first request.
 
-    A short load can still fall between two snapshots (it lasts a second or two on a fast
-    host): ``saw_requests`` is set at the first frame listing requests, and the main job's
+    A short load can still fall between two snapshots, or two metric collections: it lasts
+    a second or two on a fast host, and both come once a second. ``load_seen`` is set once
+    a frame has listed requests and ``exported()`` (if given) is true, and the main job's
     streaming clients stay until then."""
 
-    def __init__(self, model: str, every: float = 0.2) -> None:
+    def __init__(self, model: str, every: float = 0.2, exported: Callable[[], bool] | None = None) -> None:
         self.model = model
         self.every = every
+        self.exported = exported
+        """Whether the telemetry exported so far shows the load."""
         self.frame: dict | None = None
-        self.saw_requests = threading.Event()
+        self.load_seen = threading.Event()
+        self._saw_requests = False
         self.snapshots: set[tuple[int, float]] = set()
         """The engine snapshots read while the load ran, by process and time."""
         self._error: Exception | None = None
@@ -71,11 +76,12 @@ class BusiestFrame:
                 self.snapshots.update((engine["pid"], engine["time"]) for engine in frame["engines"])
                 if frame["engines"] and busy(frame) > (busy(self.frame) if self.frame else (-1, -1)):
                     self.frame = frame
-                if any(engine["requests"] for engine in frame["engines"]):
-                    self.saw_requests.set()
+                self._saw_requests = self._saw_requests or any(engine["requests"] for engine in frame["engines"])
+                if self._saw_requests and (self.exported is None or self.exported()):
+                    self.load_seen.set()
         except Exception as exc:  # noqa: BLE001 - said when the load ends, rather than lost with this thread
             self._error = exc
-            self.saw_requests.set()  # the streaming clients need not wait for it
+            self.load_seen.set()  # the streaming clients need not wait for it
 
 
 def busy(frame: dict) -> tuple[int, int]:

@@ -77,8 +77,8 @@ class BusiestFrame:
                 if frame["engines"] and busy(frame) > (busy(self.frame) if self.frame else (-1, -1)):
                     self.frame = frame
                 self._saw_requests = self._saw_requests or any(engine["requests"] for engine in frame["engines"])
-                if self._saw_requests and (self.exported is None or self.exported()):
-                    self.load_seen.set()
+                if not self.load_seen.is_set() and self._saw_requests and (self.exported is None or self.exported()):
+                    self.load_seen.set()  # from then on, the exported telemetry is not read again
         except Exception as exc:  # noqa: BLE001 - said when the load ends, rather than lost with this thread
             self._error = exc
             self.load_seen.set()  # the streaming clients need not wait for it

@@ -4,13 +4,15 @@ One daemon thread per engine process, started with its first engine, writes each
 engine's snapshot (``engine/snapshot_files.py`` says where, and how it is kept private) at
 most once a second, and at most ``BUDGET`` of the time: after two rounds whose snapshots took
 at least t of the thread's own time to build, the next waits at least t / ``BUDGET``, so a
-huge pool is published less often rather than at a greater cost. The lesser of the last two
-rounds, so that one slow round (a garbage collection in this thread, say) does not leave
-``top`` without a snapshot for seconds. That time is spent under the GIL:
-time the engine thread may wait for it (measured in benchmarks/RESULTS.md, "The live
-snapshot"). The files' writing is not counted: the GIL is free while the kernel opens,
-writes and renames. Counted, that work alone put the next snapshot up to 1.45 s away on a
-pool of 63 blocks (two thirds of the round), though the round held the GIL for 0.4 ms.
+huge pool is published less often rather than at a greater cost.
+
+- Building is done under the GIL: time the engine thread may wait for (measured in
+  benchmarks/RESULTS.md, "The live snapshot").
+- The files' writing is not counted: the GIL is free while the kernel opens, writes and
+  renames. Counted, it alone put the next snapshot up to 1.45 s away on a pool of 63
+  blocks (two thirds of the round), though the round held the GIL for 0.4 ms.
+- The lesser of the last two rounds, so that one slow round (a garbage collection in this
+  thread, say) does not leave ``top`` without a snapshot for seconds.
 
 Its costly part, the holders' fair share over every held block and the requests holding
 the most, is published only while ``otel-kvcache top`` is watching (``snapshot_files``):

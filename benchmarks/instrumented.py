@@ -21,7 +21,8 @@ EMPTIED_METHODS = {
     "records": {
         "EngineTelemetry": dict.fromkeys(("on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released")),
     },
-    "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": (0, 0), "on_demand": None}},
+    "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": None, "on_demand": None}},
+    "misses": {"_HandedOverMisses": {"freed": None, "missed": None}},
     "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
     "handover": {"ExporterProcess": {"flush": None}},
 }
@@ -81,11 +82,11 @@ def empty(parts: str) -> None:
     from otel_kvcache.engine.pool import PoolTracker
     from otel_kvcache.engine.telemetry import EngineTelemetry
     from otel_kvcache.engine.whatif import PrefixReuse
-    from otel_kvcache.export.exporter_process import ExporterProcess
+    from otel_kvcache.export.exporter_process import ExporterProcess, _HandedOverMisses
 
     owners = {
         owner.__name__: owner
-        for owner in (Attribution, EngineTelemetry, ExporterProcess, PoolTracker, PrefixReuse, SessionTable)
+        for owner in (Attribution, EngineTelemetry, ExporterProcess, PoolTracker, PrefixReuse, SessionTable, _HandedOverMisses)
     }
     for part in parts.split(","):
         for owner_name, methods in EMPTIED_METHODS[part].items():

@@ -116,6 +116,41 @@ def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_ex
     assert telemetry.total(names.PREEMPTIONS) == sum(r.num_preemptions for r in requests)
 
 
+def test_the_helper_finds_each_requests_miss_reasons_as_vllm_missed(model_config, helper_exports_to):
+    """The history of freed blocks is kept in the helper, from the frees and missed lookups
+    the engine hands it: its spans' evicted and cold tokens add up to the engine's counters,
+    whose three reasons add up to vLLM's own misses."""
+    import prefix_stream
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
+
+    sink = helper_exports_to
+    telemetry = Telemetry()
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=telemetry.meter_provider)
+    try:
+        scheduler = make_scheduler(model_config, num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32)
+        engine = prefix_stream.replay(EngineHarness(scheduler))
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        assert isinstance(exporter, ExporterProcess)
+        assert exporter.close(wait=30)
+        misses = {
+            reason: telemetry.total(names.PREFIX_CACHE_MISSES, **{names.MISS_REASON: reason})
+            for reason in (names.MISS_EVICTED, names.MISS_COLD, names.MISS_UNCACHEABLE)
+        }
+    finally:
+        instrumentor.uninstrument()
+
+    assert exporter.dropped == 0
+    assert sum(misses.values()) == engine.truth.prefix_queries - engine.truth.prefix_hits
+    assert engine.events.removed_hashes and misses[names.MISS_EVICTED]  # vLLM evicted: some misses say so
+    spans = [attributes_of(span.attributes) for _, span in sink.spans() if span.name == names.KV_REQUEST_SPAN]
+    assert len(spans) == len(prefix_stream.prompts())  # every request's span, from the helper
+    assert sum(a[names.PREFIX_EVICTED_TOKENS] for a in spans) == misses[names.MISS_EVICTED]
+    assert sum(a[names.PREFIX_COLD_TOKENS] for a in spans) == misses[names.MISS_COLD]
+    assert sum(a[names.PREFIX_EVICTED_TOKENS] > 0 for a in spans) > 1
+
+
 def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, helper_exports_to):
     """More finished requests than the default 64 kB pipe holds: when the engine goes
     idle, all of them reach the backend, not one pipe-full (the rest would wait
@@ -377,3 +412,41 @@ def test_where_spans_are_built(monkeypatch, caplog, setting, given_providers, ex
     if setting == "sometimes":
         [message] = [r.getMessage() for r in caplog.records]
         assert "OTEL_KVCACHE_EXPORTER_PROCESS='sometimes'" in message and "using 'auto'" in message
+
+
+def test_prefix_events_whose_hashes_never_came_cost_their_frame_the_rest_and_no_more(caplog):
+    """A free's hashes follow its kind and count in a second call: where that call fails
+    (a ``MemoryError``, an interrupt), the helper cannot read on in that frame. It says so
+    once, and the next frame, which starts afresh, is read as the engine wrote it."""
+    import hashlib
+
+    from otel_kvcache.engine import tally
+    from otel_kvcache.export.exporter_process import PrefixEvents, _HandedOverMisses
+    from otel_kvcache.export.miss_reasons import MissReasonsFromTheEngine
+    from otel_kvcache.export.spans import RequestEnded
+
+    block_hash = [hashlib.sha256(bytes([n])).digest() for n in range(3)]  # as vLLM's hasher makes them
+    tallies = [tally.blank_tally(16, 64) for _ in range(3)]
+    events: list = []
+    handed_over = _HandedOverMisses(events)
+    helper = MissReasonsFromTheEngine()
+
+    handed_over.freed(block_hash, 2)
+    handed_over.missed(tallies[0], block_hash[:1])  # freed before: evicted
+    handed_over.missed(tallies[1], block_hash[2:])  # never freed: cold
+    events.extend((-1, 1))  # a free whose hashes never came
+    handed_over.missed(tallies[2], block_hash[1:2])  # unreadable after the loss
+    with caplog.at_level("WARNING"):
+        assert helper.took(PrefixEvents(64, list(events)))
+    del events[:]
+    handed_over.missed(tallies[2], block_hash[1:2])  # the next frame: freed two frames ago, evicted
+    assert helper.took(PrefixEvents(64, list(events)))
+    assert "lost their order" in caplog.text
+
+    def reasons(counts: list) -> tuple[int, int]:
+        record = RequestEnded("r", None, "stop", tally.PACKED.pack(*counts), None, 0)
+        filled = tally.PACKED.unpack(helper.filled_in(record).tally)
+        return filled[tally.EVICTED_TOKENS], filled[tally.COLD_TOKENS]
+
+    assert [reasons(counts) for counts in tallies] == [(16, 0), (0, 16), (16, 0)]
+    assert not helper.took(RequestEnded("r", None, "stop", tally.PACKED.pack(*tallies[0]), None, 0))

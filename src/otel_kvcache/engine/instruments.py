@@ -167,12 +167,8 @@ class KVCacheInstruments:
 
     def _observe_misses(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):
-            reuse = engine.reuse
-            for reason, tokens in (
-                (names.MISS_EVICTED, reuse.evicted_tokens),
-                (names.MISS_COLD, reuse.cold_tokens),
-                (names.MISS_UNCACHEABLE, reuse.uncacheable_tokens),
-            ):
+            missed = engine.reuse.missed_tokens()
+            for reason, tokens in zip((names.MISS_EVICTED, names.MISS_COLD, names.MISS_UNCACHEABLE), missed):
                 yield Observation(tokens, {**engine.attributes, names.MISS_REASON: reason})
 
     def _observe_projected_hit_ratio(self, options: CallbackOptions) -> Iterable[Observation]:

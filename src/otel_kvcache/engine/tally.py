@@ -67,6 +67,7 @@ FIELDS = (
     "stretch_start_tokens",  # the computed tokens then
     "released_tokens",  # computed tokens at release: where the last stretch ends (``released_occupancy``)
     "session_id_length",  # a client's session id that was cut: its length (``bounds.py``), else 0
+    "lookup_serial",  # its missed lookups' number in what the helper is handed (0: none), ``exporter_process.py``
 )
 (
     START_NS,
@@ -103,6 +104,7 @@ FIELDS = (
     STRETCH_START_TOKENS,
     RELEASED_TOKENS,
     SESSION_ID_LENGTH,
+    LOOKUP_SERIAL,
 ) = range(len(FIELDS))
 
 REPORTED = FIELDS[: TURN_GAP_NS + 1]

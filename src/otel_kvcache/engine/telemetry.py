@@ -60,8 +60,6 @@ from otel_kvcache.engine.tally import (
     START_NS,
     STALLS,
     STILL_HELD,
-    COLD_TOKENS,
-    EVICTED_TOKENS,
     TURN_GAP_NS,
     Tally,
     blank_tally,
@@ -119,7 +117,7 @@ class EngineTelemetry:
         "_finish_reasons", "_waiting_for_blocks", "_lookup_enabled", "_lookup_keys", "trace_headers_of",
         "value_limit", "attribution", "_session_of", "_arrival_of", "_new_requests_of",
         "_resumed_ids_of", "reconciler", "reuse", "preempted_blocks", "preempted_demand",
-        "_chores_due", "connectors",
+        "_chores_due", "connectors", "misses",
     )  # fmt: skip
 
     def __init__(
@@ -183,7 +181,9 @@ class EngineTelemetry:
         self.reconciler = Reconciler(self, scheduler)
         rate = config.whatif_sample_rate()
         self.reuse = PrefixReuse(self.pool.limit, default_sample_rate(self.pool.limit) if rate is None else rate)
-        """Miss reasons and the what-if curve, fed by the lookups and the frees here."""
+        """The what-if curve and the miss reasons' counters, fed by the lookups and the frees here."""
+        self.misses = exporter.miss_reasons(self.pool.limit, self.block_size)
+        """Each request's miss reasons, found where its span is built (``whatif.py``)."""
         self.preempted_blocks: dict[str, int] = {}
         """Blocks each preempted request gave back, until it runs again: demand the pool lacked."""
         self.preempted_demand = 0
@@ -249,13 +249,10 @@ class EngineTelemetry:
             self.prefix_cache_hits += num_hits
             used = self.pool.limit - self.pool.queue.num_free_blocks
             keys = self._lookup_keys(request, block_size)
-            evicted, cold = self.reuse.on_lookup(
-                keys, num_hits // block_size, block_size, queried, used, time.monotonic()
-            )
-            if evicted or cold:
-                tally = self._tally_of(request)
-                tally[EVICTED_TOKENS] += evicted
-                tally[COLD_TOKENS] += cold
+            hit_blocks = num_hits // block_size
+            self.reuse.on_lookup(keys, hit_blocks, block_size, queried, used, time.monotonic())
+            if hit_blocks < len(keys):
+                self.misses.missed(self._tally_of(request), keys[hit_blocks:])
 
     def on_scheduled(self, output: Any) -> None:
         """After ``schedule()``, once a step: the step's admissions, the attempt that
@@ -344,7 +341,8 @@ class EngineTelemetry:
         if preempted_for is not None and (reported := self.reported_id(preempted_for)) is not preempted_for:
             detail = (computed, reported, len(preempted_for))
         self.event(request.request_id, names.EVENT_PREEMPTED, released, detail)
-        # The what-if curve last: a failure there costs it, not the span's event.
+        # The prefix's frees last: a failure there costs them, not the span's event.
+        self.misses.freed(request.block_hashes, computed // self.block_size)
         self.reuse.on_freed(request.block_hashes, computed // self.block_size)
 
     def before_release(self, request: Any) -> int:
@@ -415,8 +413,9 @@ class EngineTelemetry:
             self.pool.settle()
             self.reconciler.run()
             self.exporter.went_idle()
-        # The what-if curve last: a failure there costs it, not the span nor the idle pass.
+        # The prefix's frees last: a failure there costs them, not the span nor the idle pass.
         if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
+            self.misses.freed(request.block_hashes, computed // self.block_size)
             self.reuse.on_freed(request.block_hashes, computed // self.block_size)
 
     # --- chores and readings ---------------------------------------------------------

@@ -6,14 +6,21 @@ a block is evicted when the queue's head reaches it. Both answers here follow
 from that order, fed by the engine at each release, preemption and lookup.
 
 **Miss reasons.** Two generations of hash sets remember the blocks freed
-lately: between ``HISTORY_PER_BLOCK / 2`` and ``HISTORY_PER_BLOCK`` × pool
-distinct blocks (references to vLLM's own hash objects, about 80 bytes each).
-A looked-up block that missed is ``evicted`` if it is remembered (it was
-cached, and gone by the time this request asked), ``cold`` if not; a block
-freed longer ago than the history reaches counts as cold, the history's only
-error. Tokens vLLM never serves from the cache (the tail that does not fill a
-block, the last token) are ``uncacheable``. The three add up to vLLM's
-queries minus its hits.
+lately (``FreedHistory``): between ``HISTORY_PER_BLOCK / 2`` and
+``HISTORY_PER_BLOCK`` × pool distinct blocks (references to vLLM's own hash
+objects, about 80 bytes each). A looked-up block that missed is ``evicted`` if
+it is remembered (it was cached, and gone by the time this request asked),
+``cold`` if not; a block freed longer ago than the history reaches counts as
+cold, the history's only error. Tokens vLLM never serves from the cache (the
+tail that does not fill a block, the last token) are ``uncacheable``. The
+three add up to vLLM's queries minus its hits. The history is kept where it
+costs the engine thread nothing: for the counters, by the curve's reader
+(``catch_up``), from the same events; for each request's span, where the span
+is built: the helper process, from the frees and missed lookups the engine hands
+it (``export/miss_reasons.py``), or, where spans are built in the engine's
+process, on the engine thread (``MissReasons``). Hashing each freed block and
+growing the sets had been the dearest thing the engine thread did per request
+(``benchmarks/RESULTS.md``).
 
 **The what-if curve**, a miss-ratio curve built the way caches build one
 online (SHARDS, Waldspurger et al., FAST '15): a block is sampled when its
@@ -33,11 +40,10 @@ does not model: preemptions a smaller pool would add (their recomputation
 misses), a bigger pool admitting more requests at once (their blocks would
 take more room), and a hit stopping at the first missing block of a chain.
 
-Costs. On the engine thread, per freed or looked-up block, a set operation
-in C (the miss reasons' history), and per lookup, release and step an event's
-fields appended to one flat list. The curve's own work waits in that list
+Costs. On the engine thread, per lookup, release and step, an event's fields
+and its blocks' hashes appended to one flat list. The curve's own work waits in that list
 until the curve is read (``catch_up``: at metric collection, or a snapshot for
-``otel-kvcache top``), off the engine thread: per block, a comparison in C
+``otel-kvcache top``), off the engine thread: per block, a set operation and a comparison in C
 (``itertools.compress`` picks the sampled ones without a Python step per
 block; Python ``hash`` ints as keys cost twice the instructions of vLLM's own
 hash objects, ``benchmarks/RESULTS.md``), and per sampled block a ``bisect``
@@ -59,6 +65,8 @@ from collections.abc import Iterable
 from itertools import compress, repeat
 from operator import gt
 
+from otel_kvcache.engine.tally import COLD_TOKENS, EVICTED_TOKENS, Tally
+
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Pool sizes, as multiples of the real one, that the curve is projected for."""
 HISTORY_PER_BLOCK = 4
@@ -79,6 +87,52 @@ SAMPLED_BLOCKS = 256
 
 def default_sample_rate(pool_blocks: int) -> float:
     return min(1.0, SAMPLED_BLOCKS / max(pool_blocks, 1))
+
+
+class FreedHistory:
+    """The hashes of the blocks freed lately, in two generations: the current one, and the
+    one before it, dropped when the current one fills up."""
+
+    def __init__(self, pool_blocks: int) -> None:
+        self._generation = max(1, HISTORY_PER_BLOCK * pool_blocks // 2)
+        self._lately: set = set()
+        self._before: set = set()
+
+    def freed(self, hashes: Iterable) -> None:
+        self._lately.update(hashes)
+        if len(self._lately) >= self._generation:
+            self._before, self._lately = self._lately, set()
+
+    def remembered(self, missed: list) -> int:
+        """How many of these missed blocks' hashes are remembered: freed lately, so cached
+        once and evicted since."""
+        lately, before = self._lately, self._before
+        if lately.isdisjoint(missed) and before.isdisjoint(missed):  # all cold: no set is built
+            return 0
+        return len(lately.intersection(missed)) + len(before.intersection(missed).difference(lately))
+
+
+class MissReasons:
+    """Each request's missed lookups as evicted or cold tokens, found on the engine thread,
+    for spans built in the engine's process (the in-process exporter). Where a helper
+    process builds them, the engine hands it the same calls instead
+    (``ExporterProcess.miss_reasons``)."""
+
+    __slots__ = ("_history", "_block_size")
+
+    def __init__(self, pool_blocks: int, block_size: int) -> None:
+        self._history = FreedHistory(pool_blocks)
+        self._block_size = block_size
+
+    def freed(self, hashes: list, count: int) -> None:
+        """A request gave back its blocks, whose hashes are the first ``count`` of these."""
+        self._history.freed(hashes[:count] if count < len(hashes) else hashes)
+
+    def missed(self, tally: Tally, keys: list) -> None:
+        """These looked-up blocks of the request missed (``tally.py``'s tally, written here)."""
+        evicted = self._block_size * self._history.remembered(keys)
+        tally[EVICTED_TOKENS] += evicted
+        tally[COLD_TOKENS] += self._block_size * len(keys) - evicted
 
 
 class _Stack:
@@ -168,11 +222,8 @@ class PrefixReuse:
         # A block is sampled when its hash (vLLM's, uniform bytes) sorts below this.
         bound = int(sample_rate * (1 << 64))
         self._threshold = bound.to_bytes(8, "big") if bound < 1 << 64 else None  # None: every block
-        # The hashes of recently freed blocks, in two generations: the current one, and
-        # the one before it, dropped when the current one fills up.
-        self._generation = max(1, HISTORY_PER_BLOCK * pool_blocks // 2)
-        self._freed_lately: set = set()
-        self._freed_before: set = set()
+        self._history = FreedHistory(pool_blocks)
+        """The miss reasons' history, for the counters (taken in with the curve's events)."""
         # Sampled blocks not in use, by their last free: their places in the free order
         # (increasing numbers, deepest first), and each block's place.
         self._stack = _Stack()
@@ -191,7 +242,7 @@ class PrefixReuse:
         writes here (``catch_up`` relies on it: an event is half written only between its
         two calls)."""
         self._catching_up = threading.Lock()
-        # Cumulative miss reasons, in tokens (observable counters).
+        # Cumulative miss reasons, in tokens (observable counters), as of the last ``catch_up``.
         self.evicted_tokens = 0
         self.cold_tokens = 0
         self.uncacheable_tokens = 0
@@ -205,35 +256,18 @@ class PrefixReuse:
         another."""
         if count < len(hashes):
             hashes = hashes[:count]
-        self._freed_lately.update(hashes)
-        if len(self._freed_lately) >= self._generation:
-            self._freed_before, self._freed_lately = self._freed_lately, set()
         events = self._curve_events
         events.extend((_FREED, len(hashes)))  # the hashes apart: see catch_up
         events.extend(hashes)
 
     def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
-                  used_blocks: int, now: float) -> tuple[int, int]:  # fmt: skip
+                  used_blocks: int, now: float) -> None:  # fmt: skip
         """A counted prefix lookup of a request whose blocks that could hit have these
         hashes (``vllm_compat.lookup_keys_reader``, a list of its own); the first ``hit_blocks``
-        did. Returns the missed tokens as (evicted, cold); the rest are uncacheable. The
-        looked-up blocks are in use from now on."""
-        missed = keys[hit_blocks:]
-        lately, before = self._freed_lately, self._freed_before
-        if lately.isdisjoint(missed) and before.isdisjoint(missed):  # all cold: no set is built
-            remembered = 0
-        else:
-            remembered = len(lately.intersection(missed))
-            remembered += len(before.intersection(missed).difference(lately))
-        evicted = block_size * remembered
-        cold = block_size * len(missed) - evicted
-        self.evicted_tokens += evicted
-        self.cold_tokens += cold
-        self.uncacheable_tokens += queried_tokens - block_size * len(keys)
+        did. The looked-up blocks are in use from now on."""
         events = self._curve_events
         events.extend((_LOOKUP, hit_blocks, block_size, queried_tokens, used_blocks, now, len(keys)))
         events.extend(keys)
-        return evicted, cold
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
         """Blocks in use, and held by preempted requests waiting to run again."""
@@ -307,6 +341,7 @@ class PrefixReuse:
             self._catching_up.release()
 
     def _curve_freed(self, hashes: list) -> None:
+        self._history.freed(hashes)
         holders = self._holders
         for key in self._sampled(hashes):
             held_by = holders.pop(key, 1) - 1
@@ -328,12 +363,17 @@ class PrefixReuse:
 
     def _curve_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
                       used_blocks: int, now: float) -> None:  # fmt: skip
+        missed = keys[hit_blocks:]
+        evicted = block_size * self._history.remembered(missed)
+        self.evicted_tokens += evicted
+        self.cold_tokens += block_size * len(missed) - evicted
+        self.uncacheable_tokens += queried_tokens - block_size * len(keys)
         sums = self._window.bucket(now)
         sums[_LOOKED_UP] += queried_tokens
         sums[_HIT] += block_size * hit_blocks
         weight = block_size / self.sample_rate
         holders = self._holders
-        for hit, blocks in ((True, keys[:hit_blocks]), (False, keys[hit_blocks:])):
+        for hit, blocks in ((True, keys[:hit_blocks]), (False, missed)):
             for key in self._sampled(blocks):
                 self._project(self._take(key), hit, used_blocks, sums, weight)
                 holders[key] = holders.get(key, 0) + 1
@@ -362,6 +402,11 @@ class PrefixReuse:
         self._place_of.clear()
 
     # --- readings -----------------------------------------------------------------
+
+    def missed_tokens(self) -> tuple[int, int, int]:
+        """vLLM's missed lookup tokens so far, as (evicted, cold, uncacheable)."""
+        self.catch_up()
+        return self.evicted_tokens, self.cold_tokens, self.uncacheable_tokens
 
     def projected_hit_ratios(self, now: float | None = None) -> dict[float, float]:
         """Scale -> the share of the window's looked-up tokens a pool that many times as

@@ -25,6 +25,14 @@ without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
 - ``export``: spans the helper's exporter refused or failed to send, as the
   helper acknowledged them.
 
+With the records go the prefix events the helper finds each request's miss
+reasons from (``miss_reasons.py``): each free's block hashes and each missed
+lookup's keys, flat in one list in the order vLLM made them, marshalled ahead of
+the frame's records (``_HandedOverMisses``). On the engine thread that is two
+``list.extend`` an event, and ``marshal`` of the hashes at the hand-over, about
+170 instructions each, where hashing a freed block and adding it to a set there
+had cost about 490 (``benchmarks/RESULTS.md``).
+
 An engine that goes idle takes no steps, so a thread of ours looks after the
 pipe in its stead (``went_idle``): every ``IDLE_SECONDS`` while records are
 unwritten or unacknowledged, it reads the helper's acknowledgements (counting
@@ -59,10 +67,11 @@ import subprocess
 import sys
 import threading
 import time
-from itertools import repeat
-from typing import Any, Iterator
+from itertools import count as serial_numbers, repeat
+from typing import Any, Iterator, NamedTuple
 
 from otel_kvcache import names
+from otel_kvcache.engine.tally import LOOKUP_SERIAL, Tally
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.drain import shared_lock
 from otel_kvcache.export.spans import Finding, RequestEnded
@@ -86,8 +95,9 @@ CLOSE_SECONDS = 5.0
 # Version 2 writes no back-references, so it builds no hash table per call: half
 # the time of the default (measured a record at a time: 1.9 against 4.1 us).
 MARSHAL_VERSION = 2
-# A frame: its length, then marshalled records: finished requests' ``RequestEnded`` fields,
-# one after another in a list, then each ``Finding``'s as a tuple.
+# A frame: its length, then marshalled: the prefix events as a dict (``PrefixEvents``'s
+# fields), finished requests' ``RequestEnded`` fields, one after another in a list, then
+# each ``Finding``'s as a tuple.
 _FRAME_HEADER = struct.Struct("<I")
 _FIELDS = len(RequestEnded._fields)
 HOOK = "exporter_process"
@@ -102,6 +112,48 @@ if os.fork() == 0:
     os.execv(sys.executable, [sys.executable, "-m", "otel_kvcache.export.helper", *sys.argv[1:]])
 os._exit(0)
 """
+
+
+FREED, MISSED = -1, -2
+"""The kinds of the prefix events: ``FREED, count, *hashes`` (a request gave back its
+blocks) and ``MISSED, lookup serial, count, *keys`` (a lookup's blocks that missed)."""
+
+
+class PrefixEvents(NamedTuple):
+    """A frame's prefix events, as the helper reads them (``miss_reasons.py``)."""
+
+    pool_blocks: int
+    events: list
+
+
+class _HandedOverMisses:
+    """``whatif.MissReasons``'s two calls, handed over to the helper, which keeps the history
+    and finds each request's reasons (``miss_reasons.py``). A request's missed lookups are
+    known there by its lookup serial, which its tally carries."""
+
+    __slots__ = ("_events", "_serials")
+
+    def __init__(self, events: list) -> None:
+        self._events = events
+        self._serials = serial_numbers(1)
+
+    def freed(self, hashes: list, freed: int) -> None:
+        """A request gave back its blocks, whose hashes are the first ``freed`` of these
+        (vLLM's own list: copied now, as it grows again when a preempted request resumes)."""
+        events = self._events
+        if freed < len(hashes):
+            hashes = hashes[:freed]
+        events.extend((FREED, len(hashes)))
+        events.extend(hashes)
+
+    def missed(self, tally: Tally, keys: list) -> None:
+        """These looked-up blocks of the request missed."""
+        serial = tally[LOOKUP_SERIAL]
+        if not serial:
+            serial = tally[LOOKUP_SERIAL] = next(self._serials)
+        events = self._events
+        events.extend((MISSED, serial, len(keys)))
+        events.extend(keys)
 
 
 class TelemetryLost(RuntimeError):
@@ -139,6 +191,9 @@ class ExporterProcess:
         """Takes a finished request's ``RequestEnded`` fields until the next ``flush``:
         one C call on the engine's hot path (see the module's docstring)."""
         self._findings: list[tuple] = []
+        self._prefix_events: list = []
+        """The prefix events since the last hand-over (``_HandedOverMisses``)."""
+        self._pool_blocks = 0
         self._outgoing = bytearray()  # frames, not yet all written
         self._frames: collections.deque[_Frame] = collections.deque()
         self._deaths: list[float] = []
@@ -255,6 +310,12 @@ class ExporterProcess:
 
     # --- the hand-over -----------------------------------------------------------
 
+    def miss_reasons(self, pool_blocks: int, block_size: int) -> _HandedOverMisses:
+        """Where the engine's requests' miss reasons are found: in the helper (its one
+        engine's pool of ``pool_blocks`` sizes the history there)."""
+        self._pool_blocks = pool_blocks
+        return _HandedOverMisses(self._prefix_events)
+
     def finding(self, finding: Finding) -> None:
         self._findings.append(tuple(finding))
         self.flush()
@@ -294,6 +355,7 @@ class ExporterProcess:
                 self._drop(len(self._pending) // _FIELDS + len(self._findings), names.STAGE_PIPE)
                 self._pending.clear()
                 self._findings.clear()
+                self._prefix_events.clear()
                 return
             self._take_acknowledgements()
             self._hand_over_pending()
@@ -310,31 +372,41 @@ class ExporterProcess:
                 self._write_what_fits()  # to the new helper
 
     def _hand_over_pending(self) -> None:
-        pending, findings = self._pending, self._findings
-        if pending or findings:
+        pending, findings, prefix_events = self._pending, self._findings, self._prefix_events
+        if pending or findings or prefix_events:
+            # Prefix events are no records: lost with a frame's, the helper's history misses
+            # them (its next misses lean cold), and no span does.
             if self._gave_up:
                 self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_HELPER_DIED)
             elif len(self._outgoing) > MAX_BUFFERED_BYTES:  # the helper is that far behind
                 self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_PIPE)
             else:
-                frame, count = self._marshalled(pending, findings)
+                frame, count = self._marshalled(pending, findings, prefix_events)
                 self._outgoing += _FRAME_HEADER.pack(len(frame))
                 self._outgoing += frame
                 self._frames.append(_Frame(_FRAME_HEADER.size + len(frame), count))
             pending.clear()
             findings.clear()
+            prefix_events.clear()
         self._write_outgoing()
 
-    def _marshalled(self, ended_fields: list, findings: list[tuple]) -> tuple[bytes, int]:
-        """A frame: the finished requests' fields as one flat list, then the findings,
-        each marshalled in one C call; and how many records it holds. A request with
-        a value marshal cannot write is written again with its trace headers as
-        plain strings, or else dropped (and counted), not the frame."""
+    def _marshalled(self, ended_fields: list, findings: list[tuple], prefix_events: list) -> tuple[bytes, int]:
+        """A frame: the prefix events, then the finished requests' fields as one flat
+        list, then the findings, each marshalled in one C call; and how many records it
+        holds. A request with a value marshal cannot write is written again with its
+        trace headers as plain strings, or else dropped (and counted), not the frame."""
         written = len(ended_fields) // _FIELDS
+        frame = []
+        if prefix_events:  # first: a request's lookups come before its release
+            try:
+                events = PrefixEvents(self._pool_blocks, prefix_events)._asdict()
+                frame.append(marshal.dumps(events, MARSHAL_VERSION))
+            except ValueError as exc:  # a block hash marshal cannot write: a vLLM we do not know
+                self.errors.count(HOOK, exc)
         try:
-            frame = [marshal.dumps(ended_fields, MARSHAL_VERSION)] if ended_fields else []
+            if ended_fields:
+                frame.append(marshal.dumps(ended_fields, MARSHAL_VERSION))
         except ValueError:  # e.g. a trace header in a str subclass
-            frame = []
             for start in range(0, len(ended_fields), _FIELDS):
                 try:
                     fields = _with_plain_headers(ended_fields[start : start + _FIELDS])
@@ -427,8 +499,8 @@ def _with_plain_headers(fields: list) -> list:
     return fields
 
 
-def read_batches(fd: int) -> Iterator[list[RequestEnded | Finding]]:
-    """The records (``RequestEnded`` or ``Finding``) of every whole frame the engine has written by now, a batch at a time,
+def read_batches(fd: int) -> Iterator[list[RequestEnded | Finding | PrefixEvents]]:
+    """The records (``RequestEnded`` or ``Finding``), each frame's prefix events before them, of every whole frame the engine has written by now, a batch at a time,
     until the pipe closes (``helper.py``). An engine that goes idle after each request
     hands over a frame per request: read together, they make one export, not one each,
     so that a slow collector costs the helper one export's time per batch, not per request."""
@@ -463,6 +535,8 @@ def _whole_frames(buffer: bytearray) -> tuple[list, int]:
                 records.extend(
                     RequestEnded._make(fields[start : start + _FIELDS]) for start in range(0, len(fields), _FIELDS)
                 )
+            elif type(fields) is dict:  # the prefix events
+                records.append(PrefixEvents(**fields))
             else:  # a finding's fields
                 records.append(Finding._make(fields))
         position = end

@@ -42,6 +42,7 @@ from otel_kvcache import names
 from otel_kvcache.errors import count_dropped
 from otel_kvcache.export.bounded_export import ByteBoundedSpanExporter, retry_as_otlp_specifies
 from otel_kvcache.export.exporter_process import read_batches
+from otel_kvcache.export.miss_reasons import MissReasonsFromTheEngine
 from otel_kvcache.export.spans import Finding, RequestExporter, RequestHistograms
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.version import __version__
@@ -198,14 +199,16 @@ def _configured_exporter() -> tuple[RequestExporter, SpanPipeline]:
 def _export_batches(
     batches: Iterator[list], exporter: RequestExporter, pipeline: SpanPipeline, acks, progress: _Progress
 ) -> None:
-    for records in batches:
+    misses = MissReasonsFromTheEngine()
+    for batch in batches:
+        records = [item for item in batch if not misses.took(item)]  # each frame's prefix events first
         progress.taken += len(records)
         for record in records:
             try:
                 if isinstance(record, Finding):
                     exporter.finding(record)
                 else:
-                    exporter.request_ended(record)
+                    exporter.request_ended(misses.filled_in(record))
             except Exception:  # noqa: BLE001 - one bad record must not stop the others
                 _logger.exception("otel-kvcache: could not export a record")
         pipeline.export()

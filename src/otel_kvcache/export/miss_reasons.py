@@ -1,0 +1,106 @@
+"""Each request's miss reasons, found in the helper process from what its engine hands over.
+
+Whether a missed block was ``evicted`` or ``cold`` follows from the blocks freed
+before the lookup (``whatif.py``). Keeping that history on the engine thread
+meant hashing each freed block's hash and adding it to a set, the dearest thing
+the engine did per request. So the engine hands the helper, ahead of each
+frame's records, each free's hashes and each missed lookup's keys, in the order
+vLLM made them (``exporter_process._HandedOverMisses``), and the history is kept
+here, the same one the engine's process keeps for its counters (off its engine
+thread, with the what-if curve). A request's missed blocks, and how many of them
+the history remembers, wait by its lookup serial until its record comes, whose
+evicted and cold tokens they fill in.
+
+What this history does not see: the events of frames lost on the way (counted as
+their records are) and those handed to a helper that died: one started in its
+place remembers nothing, so its first misses lean cold.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from otel_kvcache.engine.tally import BLOCK_SIZE, COLD_TOKENS, EVICTED_TOKENS, LOOKUP_SERIAL, PACKED
+from otel_kvcache.engine.whatif import FreedHistory
+from otel_kvcache.export.exporter_process import FREED, MISSED, PrefixEvents
+from otel_kvcache.export.spans import RequestEnded
+
+_logger = logging.getLogger(__name__)
+
+MOST_AWAITED = 1 << 16
+"""Requests whose missed lookups may wait for their records; beyond, the oldest go (one
+that left vLLM without a release never comes)."""
+
+
+class MissReasonsFromTheEngine:
+    """The engine's prefix events taken in order, and each request's misses until its record."""
+
+    def __init__(self) -> None:
+        self._history: FreedHistory | None = None
+        self._awaited: dict[int, list[int]] = {}
+        """Lookup serial -> [missed blocks the history remembered, missed blocks]."""
+        self._told_lost = False
+
+    def took(self, item: RequestEnded | PrefixEvents | object) -> bool:
+        """Takes ``item`` in if it is a frame's prefix events (True), else leaves it (False)."""
+        if type(item) is not PrefixEvents:
+            return False
+        if self._history is None:
+            self._history = FreedHistory(item.pool_blocks)
+        try:
+            self._take(item.events)
+        except Exception:  # noqa: BLE001 - the records must still go out
+            _logger.exception("otel-kvcache: could not take in a frame's prefix events")
+        return True
+
+    def _take(self, events: list) -> None:
+        history, awaited = self._history, self._awaited
+        at, end = 0, len(events)
+        while at < end:
+            kind = events[at]
+            if kind == FREED and type(kind) is int:
+                count = events[at + 1]
+                hashes = events[at + 2 : at + 2 + count]
+                at += 2 + count
+                if not _all_hashes(hashes, count):
+                    break
+                history.freed(hashes)
+            elif kind == MISSED and type(kind) is int:
+                serial, count = events[at + 1 : at + 3]
+                keys = events[at + 3 : at + 3 + count]
+                at += 3 + count
+                if not _all_hashes(keys, count):
+                    break
+                misses = awaited.get(serial)
+                if misses is None:
+                    if len(awaited) >= MOST_AWAITED:
+                        del awaited[next(iter(awaited))]
+                    misses = awaited[serial] = [0, 0]
+                misses[0] += history.remembered(keys)
+                misses[1] += count
+            else:
+                break
+        else:
+            return
+        # An event's hashes never came (the engine's call failed between its two halves):
+        # what follows in this frame cannot be read; the next frame starts afresh.
+        if not self._told_lost:
+            self._told_lost = True
+            _logger.warning("otel-kvcache: a frame's prefix events lost their order; its misses after that lean cold")
+
+    def filled_in(self, record: RequestEnded) -> RequestEnded:
+        """The record, with its request's evicted and cold tokens in its tally."""
+        counts = PACKED.unpack(record.tally)
+        misses = self._awaited.pop(counts[LOOKUP_SERIAL], None) if counts[LOOKUP_SERIAL] else None
+        if misses is None:
+            return record
+        remembered, missed = misses
+        counts = list(counts)
+        counts[EVICTED_TOKENS] = counts[BLOCK_SIZE] * remembered
+        counts[COLD_TOKENS] = counts[BLOCK_SIZE] * (missed - remembered)
+        return record._replace(tally=PACKED.pack(*counts))
+
+
+def _all_hashes(entries: list, count: int) -> bool:
+    """Whether ``entries`` are the ``count`` block hashes of one event (bytes, as vLLM's are)."""
+    return len(entries) == count and set(map(type, entries)) <= {bytes}

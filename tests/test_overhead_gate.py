@@ -18,10 +18,13 @@ gate bounds what drives them instead, the tracked objects the instrumentation
 leaves per finished request (``benchmarks.instructions``' docstring).
 
 One pair of processes also carries the memory layout's lottery: vLLM's own count
-moves by up to 0.35 % on churn with a few bytes more in the environment, through
-CPython's type attribute cache. The gate counts one layout, for time (each more
-costs about four minutes a workload); churn's target leaves room for it, and
-``benchmarks.instructions --layouts 3`` sums each side over three.
+moves by up to 0.8 % on churn with a few bytes more in the environment, through
+CPython's type attribute cache, and one layout's overhead now and then lands a few
+tenths from the others' (+0.52 % beside +0.95 % and +0.95 %; +1.11 % beside +0.96 %
+and +0.64 %: ``benchmarks/RESULTS.md``). Churn, whose overhead is nearest its target,
+is counted at ``LAYOUTS`` layouts, and judged by their median, which one stray layout
+does not move; the others, far from theirs, at one (each layout more costs about two
+minutes a workload).
 
 valgrind missing fails the gate rather than skipping it: the test command
 installs it (``scripts/test.sh``), and a skip would pass a change that nobody measured.
@@ -30,6 +33,7 @@ installs it (``scripts/test.sh``), and a skip would pass a change that nobody me
 from __future__ import annotations
 
 import shutil
+from statistics import median
 
 import pytest
 
@@ -37,6 +41,8 @@ from benchmarks.instructions import MISSING_VALGRIND, MOST_TRACKED_PER_REQUEST, 
 from benchmarks.scheduler_driver import TARGETS
 
 STEPS = 50
+LAYOUTS = {"churn": 3}
+"""Memory layouts counted by workload (one where not named)."""
 
 # Counted from the default environment only: one gate per CI run, on the vLLM the numbers are recorded for.
 pytestmark = pytest.mark.overhead_gate
@@ -47,10 +53,12 @@ def test_each_workload_within_its_overhead_target():
         pytest.fail(f"{MISSING_VALGRIND}: the overhead gate needs it (scripts/test.sh installs it)")
 
     lines, missed = [], []
-    for outcome in measure(list(TARGETS), STEPS):
-        lines.append(report(outcome))
+    for workload in TARGETS:
+        [outcome] = measure([workload], STEPS, layouts=LAYOUTS.get(workload, 1))
+        overhead = median(outcome["overhead_by_layout"])
+        lines.append(report(outcome) + f"\n{'':<14} judged by the median layout: +{100 * overhead:.2f} %")
         print(lines[-1], flush=True)
-        if outcome["overhead"] > outcome["target"]:
+        if overhead > outcome["target"]:
             missed.append(outcome["workload"])
         if outcome["tracked_per_finished_request"] > MOST_TRACKED_PER_REQUEST:
             missed.append(f"{outcome['workload']} (tracked objects left, at most {MOST_TRACKED_PER_REQUEST} a request)")

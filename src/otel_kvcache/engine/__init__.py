@@ -8,8 +8,9 @@ instruction is serving time. The rules there:
 - vLLM's exceptions pass through unchanged; ours are caught and counted;
 - nothing waits: a span is built elsewhere (``otel_kvcache.export``), from a record
   handed over in one C call (unless the instrumentor was given its providers in code);
-- what can wait for a reader waits for it: the what-if curve catches up when read,
-  the fair shares are computed at collection.
+- what can wait for a reader waits for it: the what-if curve and the miss reasons'
+  counters catch up when read, the fair shares are computed at collection, and each
+  request's miss reasons are found where its span is built.
 
 The rest runs on threads of this process that read what the engine thread keeps:
 the metric reader's callbacks (``instruments``) and the snapshot for

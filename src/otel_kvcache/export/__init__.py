@@ -5,7 +5,8 @@ The engine thread hands each finished request over as a flat record
 what it holds about once a second into a pipe to the helper process
 (``helper``). The helper builds the spans and request histograms
 (``spans.RequestExporter``) with an SDK configured from the same ``OTEL_*``
-environment, and exports them through a byte-bounded exporter (``bounded_export``);
+environment, with each request's miss reasons found from the prefix events handed
+over with the records (``miss_reasons``), and exports them through a byte-bounded exporter (``bounded_export``);
 ``drain`` keeps vLLM's shutdown from cutting the helper off. Code here that runs in
 the EngineCore process (``exporter_process``) never waits.
 """

@@ -71,7 +71,7 @@ from itertools import count as serial_numbers, repeat
 from typing import Any, Iterator, NamedTuple
 
 from otel_kvcache import names
-from otel_kvcache.engine.tally import LOOKUP_SERIAL, Tally
+from otel_kvcache.engine.tally import BLOCK_SIZE, COLD_TOKENS, LOOKUP_SERIAL, Tally
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.drain import shared_lock
 from otel_kvcache.export.spans import Finding, RequestEnded
@@ -147,7 +147,9 @@ class _HandedOverMisses:
         events.extend(hashes)
 
     def missed(self, tally: Tally, keys: list) -> None:
-        """These looked-up blocks of the request missed."""
+        """These looked-up blocks of the request missed: cold, until the helper finds
+        which of them it remembers (a helper that never saw the lookup leaves them so)."""
+        tally[COLD_TOKENS] += tally[BLOCK_SIZE] * len(keys)
         serial = tally[LOOKUP_SERIAL]
         if not serial:
             serial = tally[LOOKUP_SERIAL] = next(self._serials)

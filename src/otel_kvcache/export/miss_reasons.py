@@ -7,13 +7,14 @@ the engine did per request. So the engine hands the helper, ahead of each
 frame's records, each free's hashes and each missed lookup's keys, in the order
 vLLM made them (``exporter_process._HandedOverMisses``), and the history is kept
 here, the same one the engine's process keeps for its counters (off its engine
-thread, with the what-if curve). A request's missed blocks, and how many of them
-the history remembers, wait by its lookup serial until its record comes, whose
-evicted and cold tokens they fill in.
+thread, with the what-if curve). The engine counts a request's missed tokens as
+cold; how many of its missed blocks the history remembers waits here by its lookup
+serial until its record comes, whose tokens they move from cold to evicted.
 
 What this history does not see: the events of frames lost on the way (counted as
 their records are) and those handed to a helper that died: one started in its
-place remembers nothing, so its first misses lean cold.
+place remembers nothing, and a lookup it never saw leaves its misses cold. So
+misses lean cold there, and still add up, with the uncacheable tokens, to vLLM's.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class MissReasonsFromTheEngine:
 
     def __init__(self) -> None:
         self._history: FreedHistory | None = None
-        self._awaited: dict[int, list[int]] = {}
-        """Lookup serial -> [missed blocks the history remembered, missed blocks]."""
+        self._awaited: dict[int, int] = {}
+        """Lookup serial -> the request's missed blocks the history remembered."""
         self._told_lost = False
 
     def took(self, item: RequestEnded | PrefixEvents | object) -> bool:
@@ -71,13 +72,9 @@ class MissReasonsFromTheEngine:
                 at += 3 + count
                 if not _all_hashes(keys, count):
                     break
-                misses = awaited.get(serial)
-                if misses is None:
-                    if len(awaited) >= MOST_AWAITED:
-                        del awaited[next(iter(awaited))]
-                    misses = awaited[serial] = [0, 0]
-                misses[0] += history.remembered(keys)
-                misses[1] += count
+                if serial not in awaited and len(awaited) >= MOST_AWAITED:
+                    del awaited[next(iter(awaited))]
+                awaited[serial] = awaited.get(serial, 0) + history.remembered(keys)
             else:
                 break
         else:
@@ -89,15 +86,15 @@ class MissReasonsFromTheEngine:
             _logger.warning("otel-kvcache: a frame's prefix events lost their order; its misses after that lean cold")
 
     def filled_in(self, record: RequestEnded) -> RequestEnded:
-        """The record, with its request's evicted and cold tokens in its tally."""
+        """The record, with the missed tokens the history remembered moved from cold to
+        evicted in its tally."""
         counts = PACKED.unpack(record.tally)
-        misses = self._awaited.pop(counts[LOOKUP_SERIAL], None) if counts[LOOKUP_SERIAL] else None
-        if misses is None:
+        remembered = self._awaited.pop(counts[LOOKUP_SERIAL], 0) if counts[LOOKUP_SERIAL] else 0
+        if not remembered:
             return record
-        remembered, missed = misses
         counts = list(counts)
-        counts[EVICTED_TOKENS] = counts[BLOCK_SIZE] * remembered
-        counts[COLD_TOKENS] = counts[BLOCK_SIZE] * (missed - remembered)
+        counts[EVICTED_TOKENS] += counts[BLOCK_SIZE] * remembered
+        counts[COLD_TOKENS] -= counts[BLOCK_SIZE] * remembered
         return record._replace(tally=PACKED.pack(*counts))
 
 

@@ -74,6 +74,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from statistics import median
 
 from benchmarks.scheduler_driver import TARGETS, against_target, workloads
 
@@ -257,7 +258,7 @@ def measure(
             "base_instructions_per_step": base["instructions"] / steps / layouts,
             "base_spread": base["spread"],
             "overhead": extra / base["instructions"],
-            # Each layout's pair alone: what one draw of the lottery, as the gate counts, gives.
+            # Each layout's pair alone: what one draw of the lottery gives.
             "overhead_by_layout": [o / b - 1 for o, b in zip(otel["each"], base["each"])],
             "target": TARGETS.get(name),
             "instructions_per_finished_request": extra / max(1, otel["finished"]),
@@ -265,6 +266,8 @@ def measure(
             "finished": otel["finished"] // layouts,
             "apart": otel["apart"],
         }
+        # What the gate judges: the median layout, which one stray layout does not move.
+        outcome["judged_overhead"] = median(outcome["overhead_by_layout"])
         if cache_sim:
             outcome["base_cycles_per_step"] = base["cycles"] / steps / layouts
             outcome["cycles_overhead"] = otel["cycles"] / base["cycles"] - 1
@@ -296,14 +299,15 @@ def report(outcome: dict) -> str:
     name = outcome["workload"]
     lines = [
         f"{name:<14} base {outcome['base_instructions_per_step'] / 1e6:.1f} M instructions/step | "
-        f"instrumented +{100 * outcome['overhead']:.2f} % ({against_target(outcome['overhead'], name)}) | "
+        f"instrumented +{100 * outcome['overhead']:.2f} % ({against_target(outcome['judged_overhead'], name)}) | "
         f"{outcome['instructions_per_finished_request'] / 1e3:.0f} k instructions, "
         f"{outcome['tracked_per_finished_request']:.1f} tracked objects left per finished request"
     ]
     if outcome["layouts"] > 1:
         lines.append(
             f"{'':<14} summed over {outcome['layouts']} memory layouts "
-            f"(each alone: {', '.join(f'{100 * o:+.2f} %' for o in outcome['overhead_by_layout'])}), "
+            f"(each alone: {', '.join(f'{100 * o:+.2f} %' for o in outcome['overhead_by_layout'])}; "
+            f"the target judges the median, {100 * outcome['judged_overhead']:+.2f} %), "
             f"between which vLLM's own count moved {100 * outcome['base_spread']:.2f} %"
         )
     if outcome.get("apart"):
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--without",
         help="take apart: also count with each of these parts emptied, comma-separated "
-        "(mirror, records, whatif, attribution, handover: benchmarks.instrumented.EMPTIED_METHODS)",
+        "(mirror, records, whatif, misses, attribution, handover: benchmarks.instrumented.EMPTIED_METHODS)",
     )
     parser.add_argument(
         "--layouts", type=int, default=1, help="count each variant at this many memory layouts and compare the sums"

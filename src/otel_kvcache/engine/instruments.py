@@ -56,7 +56,9 @@ class KVCacheInstruments:
     per-request histograms are recorded where spans are built: ``export/spans.py``).
 
     Observable instruments read integers the engine thread keeps, and the free
-    queue's length (one integer of vLLM's), never walk vLLM's structures.
+    queue's length (one integer of vLLM's), never walk vLLM's structures; the what-if
+    curve and the miss reasons' counters first take in the events the engine thread
+    left them (``whatif.PrefixReuse.catch_up``).
     """
 
     def __init__(self, meter: Meter) -> None:

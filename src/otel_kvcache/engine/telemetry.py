@@ -250,9 +250,11 @@ class EngineTelemetry:
             used = self.pool.limit - self.pool.queue.num_free_blocks
             keys = self._lookup_keys(request, block_size)
             hit_blocks = num_hits // block_size
-            self.reuse.on_lookup(keys, hit_blocks, block_size, queried, used, time.monotonic())
-            if hit_blocks < len(keys):
-                self.misses.missed(self._tally_of(request), keys[hit_blocks:])
+            try:  # each whatever the other does (a try costs nothing until it catches)
+                self.reuse.on_lookup(keys, hit_blocks, block_size, queried, used, time.monotonic())
+            finally:
+                if hit_blocks < len(keys):
+                    self.misses.missed(self._tally_of(request), keys[hit_blocks:])
 
     def on_scheduled(self, output: Any) -> None:
         """After ``schedule()``, once a step: the step's admissions, the attempt that
@@ -342,8 +344,7 @@ class EngineTelemetry:
             detail = (computed, reported, len(preempted_for))
         self.event(request.request_id, names.EVENT_PREEMPTED, released, detail)
         # The prefix's frees last: a failure there costs them, not the span's event.
-        self.misses.freed(request.block_hashes, computed // self.block_size)
-        self.reuse.on_freed(request.block_hashes, computed // self.block_size)
+        self._prefix_freed(request.block_hashes, computed // self.block_size)
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
@@ -415,8 +416,15 @@ class EngineTelemetry:
             self.exporter.went_idle()
         # The prefix's frees last: a failure there costs them, not the span nor the idle pass.
         if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
-            self.misses.freed(request.block_hashes, computed // self.block_size)
-            self.reuse.on_freed(request.block_hashes, computed // self.block_size)
+            self._prefix_freed(request.block_hashes, computed // self.block_size)
+
+    def _prefix_freed(self, hashes: list, count: int) -> None:
+        """A request's cached blocks freed, whose hashes are the first ``count`` of these: to
+        the curve and to where the miss reasons are found, each whatever the other does."""
+        try:
+            self.reuse.on_freed(hashes, count)
+        finally:
+            self.misses.freed(hashes, count)
 
     # --- chores and readings ---------------------------------------------------------
 

@@ -7,8 +7,8 @@ from that order, fed by the engine at each release, preemption and lookup.
 
 **Miss reasons.** Two generations of hash sets remember the blocks freed
 lately (``FreedHistory``): between ``HISTORY_PER_BLOCK / 2`` and
-``HISTORY_PER_BLOCK`` × pool distinct blocks (references to vLLM's own hash
-objects, about 80 bytes each). A looked-up block that missed is ``evicted`` if
+``HISTORY_PER_BLOCK`` × pool distinct blocks (in the engine's process,
+references to vLLM's own hash objects, about 80 bytes each). A looked-up block that missed is ``evicted`` if
 it is remembered (it was cached, and gone by the time this request asked),
 ``cold`` if not; a block freed longer ago than the history reaches counts as
 cold, the history's only error. Tokens vLLM never serves from the cache (the
@@ -41,7 +41,8 @@ misses), a bigger pool admitting more requests at once (their blocks would
 take more room), and a hit stopping at the first missing block of a chain.
 
 Costs. On the engine thread, per lookup, release and step, an event's fields
-and its blocks' hashes appended to one flat list. The curve's own work waits in that list
+and its blocks' hashes appended to one flat list (and, where spans are built in
+the engine's process, ``MissReasons``' set operations per freed or missed block). The curve's own work waits in that list
 until the curve is read (``catch_up``: at metric collection, or a snapshot for
 ``otel-kvcache top``), off the engine thread: per block, a set operation and a comparison in C
 (``itertools.compress`` picks the sampled ones without a Python step per
@@ -209,6 +210,19 @@ class _Window:
 # event whose hashes never came (an exception between its two calls) is found.
 _LOOKUP, _FREED, _DEMAND, _RESET = (object() for _ in range(4))
 
+_KINDS = (_LOOKUP, _FREED, _DEMAND, _RESET)
+
+
+def _next_event(events: list, at: int, written: int) -> int:
+    """Where the first event after ``at`` begins (``written`` if none has yet): a kind is
+    no field or hash, so the reading can go on there (rarely: after a loss only)."""
+    for index in range(at + 1, written):
+        entry = events[index]
+        if any(entry is kind for kind in _KINDS):
+            return index
+    return written
+
+
 # A window bucket's fields.
 _LOOKED_UP, _HIT, _PEAK, _GAIN = 0, 1, 2, 3
 
@@ -294,8 +308,8 @@ class PrefixReuse:
         it, or the events that begin within the first ``most`` entries. With ``wait``
         False, nothing if another thread is taking them in. An event that fails is
         dropped with those before it (the error reaches the caller). Where an event's
-        hashes never came, what follows cannot be read: everything waiting is dropped, the
-        curve starts again, and a ``ValueError`` says so."""
+        hashes never came, the reading goes on at the next event, the curve starts
+        again, and a ``ValueError`` says so."""
         if not self._catching_up.acquire(blocking=wait):
             return
         try:
@@ -305,7 +319,7 @@ class PrefixReuse:
             # the hashes), so the last event may still lack its hashes.
             written = len(events)
             end = written if most is None else min(written, most)
-            at = 0
+            at, lost = 0, False
             try:
                 while at < end:
                     kind = events[at]
@@ -332,9 +346,11 @@ class PrefixReuse:
                         at += 1
                         self._curve_reset()
                     else:  # a field or a hash: an earlier event's hashes never came
-                        at = written
+                        at = _next_event(events, at, written)
                         self._curve_reset()
-                        raise ValueError("the what-if curve's events lost their order; it starts again")
+                        lost = True
+                if lost:  # counted by the caller; the events after the loss were taken in
+                    raise ValueError("the what-if curve's events lost their order; it starts again")
             finally:
                 del events[:at]  # up to the end of the last event begun, taken in or failed
         finally:

@@ -88,6 +88,11 @@ RETRY_SECONDS = 0.05
 IDLE_SECONDS = 0.5
 """While the engine is idle with records outstanding: how often the pipe is looked after."""
 MAX_BUFFERED_BYTES = 8 << 20
+MOST_BUFFERED_FOR_PREFIX_EVENTS = 2 << 20
+"""Past this many bytes not yet written, a hand-over's prefix events are dropped (an error
+counted) and its records still go: a block hash costs 37 bytes, a record a few hundred,
+so the events would fill the 8 MB long before the records do. The helper's history then
+misses them, and the misses there lean cold."""
 MAX_DEATHS = 3
 DEATHS_WINDOW_SECONDS = 60.0
 CLOSE_SECONDS = 5.0
@@ -383,6 +388,10 @@ class ExporterProcess:
             elif len(self._outgoing) > MAX_BUFFERED_BYTES:  # the helper is that far behind
                 self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_PIPE)
             else:
+                if prefix_events and len(self._outgoing) > MOST_BUFFERED_FOR_PREFIX_EVENTS:
+                    lost = TelemetryLost(f"{len(prefix_events)} entries of prefix events lost at {names.STAGE_PIPE}")
+                    self.errors.count(HOOK, lost)
+                    prefix_events.clear()
                 frame, count = self._marshalled(pending, findings, prefix_events)
                 self._outgoing += _FRAME_HEADER.pack(len(frame))
                 self._outgoing += frame

@@ -11,15 +11,22 @@ thread, with the what-if curve). The engine counts a request's missed tokens as
 cold; how many of its missed blocks the history remembers waits here by its lookup
 serial until its record comes, whose tokens they move from cold to evicted.
 
-What this history does not see: the events of frames lost on the way (counted as
-their records are) and those handed to a helper that died: one started in its
-place remembers nothing, and a lookup it never saw leaves its misses cold. So
-misses lean cold there, and still add up, with the uncacheable tokens, to vLLM's.
+What this history does not see: the events of frames lost on the way (with their
+records, counted; or alone, where the engine drops prefix events first to keep
+records flowing to a slow helper: ``ExporterProcess``), and those handed to a
+helper that died: one started in its place remembers nothing. A lookup the history
+never saw leaves its misses cold, so misses lean cold there, and still add up, with
+the uncacheable tokens, to vLLM's.
+
+Memory: the history holds the hashes (about 100 bytes each, unmarshalled copies),
+between 2 and 4 pool-fulls of distinct blocks: about 40 MB for a pool of 100,000
+blocks.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 from otel_kvcache.engine.tally import BLOCK_SIZE, COLD_TOKENS, EVICTED_TOKENS, LOOKUP_SERIAL, PACKED
 from otel_kvcache.engine.whatif import FreedHistory
@@ -28,9 +35,11 @@ from otel_kvcache.export.spans import RequestEnded
 
 _logger = logging.getLogger(__name__)
 
-MOST_AWAITED = 1 << 16
-"""Requests whose missed lookups may wait for their records; beyond, the oldest go (one
-that left vLLM without a release never comes)."""
+MOST_AWAITED = 1 << 18
+"""Requests whose missed lookups may wait for their records (a few tens of MB at most);
+beyond, the oldest lookup's go: a record that never comes (a request that left vLLM
+without a release, or whose span was suppressed), or a request still running after that
+many newer lookups, whose misses then stay cold."""
 
 
 class MissReasonsFromTheEngine:
@@ -38,7 +47,7 @@ class MissReasonsFromTheEngine:
 
     def __init__(self) -> None:
         self._history: FreedHistory | None = None
-        self._awaited: dict[int, int] = {}
+        self._awaited: OrderedDict[int, int] = OrderedDict()
         """Lookup serial -> the request's missed blocks the history remembered."""
         self._told_lost = False
 
@@ -62,28 +71,26 @@ class MissReasonsFromTheEngine:
             if kind == FREED and type(kind) is int:
                 count = events[at + 1]
                 hashes = events[at + 2 : at + 2 + count]
-                at += 2 + count
-                if not _all_hashes(hashes, count):
-                    break
-                history.freed(hashes)
+                if _all_hashes(hashes, count):
+                    history.freed(hashes)
+                    at += 2 + count
+                    continue
             elif kind == MISSED and type(kind) is int:
                 serial, count = events[at + 1 : at + 3]
                 keys = events[at + 3 : at + 3 + count]
-                at += 3 + count
-                if not _all_hashes(keys, count):
-                    break
-                if serial not in awaited and len(awaited) >= MOST_AWAITED:
-                    del awaited[next(iter(awaited))]
-                awaited[serial] = awaited.get(serial, 0) + history.remembered(keys)
-            else:
-                break
-        else:
-            return
-        # An event's hashes never came (the engine's call failed between its two halves):
-        # what follows in this frame cannot be read; the next frame starts afresh.
-        if not self._told_lost:
-            self._told_lost = True
-            _logger.warning("otel-kvcache: a frame's prefix events lost their order; its misses after that lean cold")
+                if _all_hashes(keys, count):
+                    if serial not in awaited and len(awaited) >= MOST_AWAITED:
+                        awaited.popitem(last=False)
+                    awaited[serial] = awaited.get(serial, 0) + history.remembered(keys)
+                    at += 3 + count
+                    continue
+            # An event's hashes never came (the engine's call failed between its two
+            # halves): the reading goes on at the next event (a kind is no count, serial
+            # or hash); the lookup lost stays cold, as the engine counted it.
+            at = _next_event(events, at)
+            if not self._told_lost:
+                self._told_lost = True
+                _logger.warning("otel-kvcache: prefix events lost their order; a lookup's misses there stay cold")
 
     def filled_in(self, record: RequestEnded) -> RequestEnded:
         """The record, with the missed tokens the history remembered moved from cold to
@@ -96,6 +103,15 @@ class MissReasonsFromTheEngine:
         counts[EVICTED_TOKENS] += counts[BLOCK_SIZE] * remembered
         counts[COLD_TOKENS] -= counts[BLOCK_SIZE] * remembered
         return record._replace(tally=PACKED.pack(*counts))
+
+
+def _next_event(events: list, at: int) -> int:
+    """Where the first event after ``at`` begins (the end if none does)."""
+    for index in range(at + 1, len(events)):
+        entry = events[index]
+        if type(entry) is int and entry in (FREED, MISSED):
+            return index
+    return len(events)
 
 
 def _all_hashes(entries: list, count: int) -> bool:

@@ -78,3 +78,23 @@ def test_spans_and_metrics_from_a_forked_child_are_exported():
         assert 50 + 3 * 60 in queries
     finally:
         sink.stop()
+
+
+def test_a_fork_during_a_collection_leaves_the_childs_collections_free(engine):
+    """vLLM may fork while the metric reader's thread is inside a collection, holding the
+    what-if curve's or the attribution's lock: the child has the lock and not the thread,
+    and its first collection would wait for ever. Each starts unlocked in the child."""
+    import signal
+
+    telemetry = engine.scheduler._otel_kvcache_engine
+    engine.add(engine.make_request("before-fork", prompt_len=50, max_tokens=4))
+    engine.run()
+    with telemetry.reuse._catching_up, telemetry.attribution._folding:  # a collection under way
+        pid = os.fork()
+        if pid == 0:  # the child: what its collections read, each within 10 s or killed
+            signal.alarm(10)
+            evicted, cold, uncacheable = telemetry.reuse.missed_tokens()
+            telemetry.attribution.fold_ended()
+            os._exit(0 if cold + uncacheable > 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -29,8 +29,10 @@ default 65536 sessions.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -78,6 +80,20 @@ class SessionTable:
         return arrival_ns - previous
 
 
+_HELD_SINCE_FORK: weakref.WeakSet[Attribution] = weakref.WeakSet()
+
+
+def _unlock_in_a_forked_child() -> None:
+    """A fork copies the locks of a collection under way, not the thread collecting: the
+    child's collections would wait on them for ever, and export nothing. Each starts unlocked."""
+    for attribution in list(_HELD_SINCE_FORK):
+        attribution._admission = threading.Lock()
+        attribution._folding = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_a_forked_child)
+
+
 class Attribution:
     """Series of one engine's requests, and their block-seconds and blocks held."""
 
@@ -105,6 +121,7 @@ class Attribution:
         """Released requests not yet in ``finished_block_ns``, their fields one after
         another (``request_ended``): no object per request for the garbage collector."""
         self._folding = threading.Lock()
+        _HELD_SINCE_FORK.add(self)
         self._reported_seconds: dict[Key, float] = {}
         self._live_keys: dict[str, Key] = {}
         """Live requests' keys, by request id, as the last collections found them."""

@@ -57,8 +57,10 @@ and the stack up to ``2 × max(SCALES)`` × pool × ``sample_rate`` blocks.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
@@ -227,6 +229,19 @@ def _next_event(events: list, at: int, written: int) -> int:
 _LOOKED_UP, _HIT, _PEAK, _GAIN = 0, 1, 2, 3
 
 
+_READ_SINCE_FORK: weakref.WeakSet[PrefixReuse] = weakref.WeakSet()
+
+
+def _unlock_in_a_forked_child() -> None:
+    """A fork copies the lock of a reading under way, not the thread reading: the child's
+    collections would wait on it for ever, and export nothing. Each starts unlocked."""
+    for reuse in list(_READ_SINCE_FORK):
+        reuse._catching_up = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_a_forked_child)
+
+
 class PrefixReuse:
     """One engine's history of freed prefix blocks: miss reasons and the what-if curve."""
 
@@ -256,6 +271,7 @@ class PrefixReuse:
         writes here (``catch_up`` relies on it: an event is half written only between its
         two calls)."""
         self._catching_up = threading.Lock()
+        _READ_SINCE_FORK.add(self)
         # Cumulative miss reasons, in tokens (observable counters), as of the last ``catch_up``.
         self.evicted_tokens = 0
         self.cold_tokens = 0

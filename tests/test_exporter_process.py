@@ -447,7 +447,7 @@ def test_prefix_events_whose_hashes_never_came_cost_that_event_and_no_more(caplo
     handed_over = _HandedOverMisses(events)
     helper = MissReasonsFromTheEngine()
 
-    handed_over.freed(block_hash, 2)
+    handed_over.freed(block_hash[:2])
     handed_over.missed(tallies[0], block_hash[:1])  # freed before: evicted
     handed_over.missed(tallies[1], block_hash[2:])  # never freed: cold
     events.extend((-1, 1))  # a free whose hashes never came

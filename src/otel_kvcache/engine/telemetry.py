@@ -419,12 +419,15 @@ class EngineTelemetry:
             self._prefix_freed(request.block_hashes, computed // self.block_size)
 
     def _prefix_freed(self, hashes: list, count: int) -> None:
-        """A request's cached blocks freed, whose hashes are the first ``count`` of these: to
-        the curve and to where the miss reasons are found, each whatever the other does."""
+        """A request's cached blocks freed, whose hashes are the first ``count`` of these
+        (vLLM's own list, read now and not kept): to the curve and to where the miss reasons
+        are found, each whatever the other does."""
+        if count < len(hashes):
+            hashes = hashes[:count]
         try:
-            self.reuse.on_freed(hashes, count)
+            self.reuse.on_freed(hashes)
         finally:
-            self.misses.freed(hashes, count)
+            self.misses.freed(hashes)
 
     # --- chores and readings ---------------------------------------------------------
 

@@ -127,9 +127,9 @@ class MissReasons:
         self._history = FreedHistory(pool_blocks)
         self._block_size = block_size
 
-    def freed(self, hashes: list, count: int) -> None:
-        """A request gave back its blocks, whose hashes are the first ``count`` of these."""
-        self._history.freed(hashes[:count] if count < len(hashes) else hashes)
+    def freed(self, hashes: list) -> None:
+        """A request gave back its blocks, whose hashes these are."""
+        self._history.freed(hashes)
 
     def missed(self, tally: Tally, keys: list) -> None:
         """These looked-up blocks of the request missed (``tally.py``'s tally, written here)."""
@@ -279,13 +279,10 @@ class PrefixReuse:
 
     # --- what vLLM did (on the engine thread) ------------------------------------------
 
-    def on_freed(self, hashes: list, count: int) -> None:
-        """A request gave back its blocks, whose hashes are the first ``count`` of these,
-        shallowest first (vLLM's own list, read now and not kept: vLLM frees the deepest
-        first, and the curve takes them in in that order): cached now, or still in use by
-        another."""
-        if count < len(hashes):
-            hashes = hashes[:count]
+    def on_freed(self, hashes: list) -> None:
+        """A request gave back its blocks, whose hashes these are, shallowest first (read
+        now and not kept: vLLM frees the deepest first, and the curve takes them in in
+        that order): cached now, or still in use by another."""
         events = self._curve_events
         events.extend((_FREED, len(hashes)))  # the hashes apart: see catch_up
         events.extend(hashes)

@@ -145,12 +145,10 @@ class _HandedOverMisses:
         self._events = events
         self._serials = serial_numbers(1)
 
-    def freed(self, hashes: list, freed: int) -> None:
-        """A request gave back its blocks, whose hashes are the first ``freed`` of these
-        (vLLM's own list: copied now, as it grows again when a preempted request resumes)."""
+    def freed(self, hashes: list) -> None:
+        """A request gave back its blocks, whose hashes these are (perhaps vLLM's own list:
+        copied now, as it grows again when a preempted request resumes)."""
         events = self._events
-        if freed < len(hashes):
-            hashes = hashes[:freed]
         events.extend((FREED, len(hashes)))
         events.extend(hashes)
 

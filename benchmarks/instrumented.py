@@ -24,7 +24,7 @@ EMPTIED_METHODS = {
     "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": None, "on_demand": None}},
     "misses": {"_HandedOverMisses": {"freed": None, "missed": None}},
     "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
-    "handover": {"ExporterProcess": {"flush": None}},
+    "handover": {"ExporterProcess": {"queue_pending": None}},
 }
 
 

@@ -202,6 +202,48 @@ def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, help
     assert exporter.close(wait=30)
 
 
+def test_a_busy_engine_hands_over_without_waiting_and_the_pipes_thread_sends_it(
+    model_config, helper_exports_to, monkeypatch
+):
+    """While the engine steps, a hand-over costs it a swap of lists: with the pipe's lock
+    held elsewhere all along (as the pipe's thread holds it through a long marshal), its
+    steps and hand-overs go on; once the lock is let go, the pipe's thread alone sends
+    what they handed over, and every finished request's span arrives, the engine untouched."""
+    import threading
+
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
+
+    from otel_kvcache.export import exporter_process
+
+    monkeypatch.setattr(exporter_process, "FLUSH_SECONDS", 0.0)  # a hand-over due at every step
+    sink = helper_exports_to
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument(meter_provider=Telemetry().meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=512, max_num_seqs=64))
+        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        helper_pid(exporter)
+        running = engine.add(engine.make_request("running", prompt_len=40, max_tokens=200))  # never idle
+        finished = [engine.add(engine.make_request(f"done-{i}", prompt_len=40, max_tokens=4)) for i in range(20)]
+        stepping = threading.Thread(target=lambda: [engine.step() for _ in range(30)])
+        with exporter._lock:
+            stepping.start()
+            stepping.join(timeout=60)
+            assert not stepping.is_alive(), "the engine waited for the pipe's lock"
+            assert all(r.is_finished() for r in finished) and not running.is_finished()
+        expected = {r.request_id for r in finished}
+        deadline = time.monotonic() + 20
+        while _kv_span_ids(sink) != expected and time.monotonic() < deadline:
+            time.sleep(0.1)  # nothing touches the engine or its exporter here
+        assert _kv_span_ids(sink) == expected
+        assert exporter.dropped == 0
+        engine.run()
+    finally:
+        instrumentor.uninstrument()
+    assert exporter.close(wait=30)
+
+
 def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, helper_exports_to, monkeypatch):
     """A helper that falls behind (here: stopped) leaves frames unread in the engine;
     past MAX_BUFFERED_BYTES of them, what a new frame would carry is dropped and

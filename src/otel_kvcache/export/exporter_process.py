@@ -2,16 +2,27 @@
 
 ``ExporterProcess`` lives in the EngineCore process: it holds each finished
 request (``RequestEnded`` fields) and each ``Finding`` as the engine hands it
-over, and every ``FLUSH_SECONDS`` (or when the engine goes idle) marshals what
-it holds, in one C loop, into one frame for the helper's stdin. Taking a
-record is one ``list.extend`` on the engine thread (marshalling each at
-release ran ``marshal``'s code cold, 4-5 us of a release). The fields are kept
-one after another in one list, not as a tuple each, so that a second's worth
-of records adds no objects for the garbage collector to count
-(``benchmarks/RESULTS.md`` has the numbers).
+over, and every ``FLUSH_SECONDS`` marshals what it holds, in one C loop, into
+one frame for the helper's stdin. Taking a record is one ``list.extend`` on the
+engine thread (marshalling each at release ran ``marshal``'s code cold, 4-5 us
+of a release). The fields are kept one after another in one list, not as a
+tuple each, so that a second's worth of records adds no objects for the garbage
+collector to count (``benchmarks/RESULTS.md`` has the numbers).
+
+The marshal and the writes are the pipe's thread's (``_look_after_the_pipe``),
+not the engine thread's: every ``FLUSH_SECONDS`` the engine puts the lists it
+filled in the thread's queue, takes fresh ones, and wakes the thread
+(``flush_if_due``), and it never waits for the thread's lock. A second of churn
+cost the engine thread about 14 k instructions a finished request there, a sixth
+of all otel-kvcache did on it (``benchmarks/RESULTS.md``). The thread takes
+the interpreter's lock for as long as each ``marshal`` runs (about a millisecond
+for a second of 200 requests), as any Python thread would: on a GPU engine that
+mostly falls in the engine thread's own waits for the device, which let it go.
+An engine that goes idle hands over at once, on its own thread: it has nothing
+else to do then, and what it finished is exported without waiting a second.
 
 The pipe is non-blocking and as large as Linux lets it be made
-(``PIPE_BYTES``); what it cannot take at once is written again
+(``PIPE_BYTES``); what it cannot take at once the pipe's thread writes again
 ``RETRY_SECONDS`` later. Nothing is ever waited for, and nothing is lost
 without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
 
@@ -29,20 +40,19 @@ With the records go the prefix events the helper finds each request's miss
 reasons from (``miss_reasons.py``): each free's block hashes and each missed
 lookup's keys, flat in one list in the order vLLM made them, marshalled ahead of
 the frame's records (``_HandedOverMisses``). On the engine thread that is two
-``list.extend`` an event, and ``marshal`` of the hashes at the hand-over, about
-170 instructions each, where hashing a freed block and adding it to a set there
-had cost about 490 (``benchmarks/RESULTS.md``). That marshal comes all at once, as
-the records' does: about 17 M instructions, a few milliseconds of the step that
-hands over, for a second of 100,000 hashes. Past ``MOST_BUFFERED_FOR_PREFIX_EVENTS``
-unwritten, the prefix events are dropped first, so that records keep flowing.
+``list.extend`` an event; their ``marshal``, about 170 instructions a hash, is
+the pipe's thread's, where hashing a freed block and adding it to a set on the
+engine thread had cost about 490 (``benchmarks/RESULTS.md``): about 17 M
+instructions, a few milliseconds, for a second of 100,000 hashes. Past
+``MOST_BUFFERED_FOR_PREFIX_EVENTS`` unwritten, the prefix events are dropped
+first, so that records keep flowing.
 
-An engine that goes idle takes no steps, so a thread of ours looks after the
-pipe in its stead (``went_idle``): every ``IDLE_SECONDS`` while records are
-unwritten or unacknowledged, it reads the helper's acknowledgements (counting
-the spans it failed to export) and writes what the pipe could not take. It
-sleeps on an event otherwise, and never runs while the engine steps.
+An engine that goes idle takes no steps, so the pipe's thread also looks after
+the pipe in its stead (``went_idle``): every ``IDLE_SECONDS`` while records are
+unacknowledged, it reads the helper's acknowledgements (counting the spans it
+failed to export). It sleeps on an event otherwise.
 
-A helper that dies (its pipes close) is noticed at the next flush, at most
+A helper that dies (its pipes close) is noticed at the next hand-over, at most
 ``FLUSH_SECONDS`` later while the engine steps (``IDLE_SECONDS`` while it is
 idle), and replaced; after
 ``MAX_DEATHS`` deaths within ``DEATHS_WINDOW_SECONDS`` the engine stops
@@ -139,16 +149,17 @@ class _HandedOverMisses:
     and finds each request's reasons (``miss_reasons.py``). A request's missed lookups are
     known there by its lookup serial, which its tally carries."""
 
-    __slots__ = ("_events", "_serials")
+    __slots__ = ("events", "_serials")
 
     def __init__(self, events: list) -> None:
-        self._events = events
+        self.events = events
+        """The prefix events since the last hand-over (``ExporterProcess`` takes the list)."""
         self._serials = serial_numbers(1)
 
     def freed(self, hashes: list) -> None:
         """A request gave back its blocks, whose hashes these are (perhaps vLLM's own list:
         copied now, as it grows again when a preempted request resumes)."""
-        events = self._events
+        events = self.events
         events.extend((FREED, len(hashes)))
         events.extend(hashes)
 
@@ -159,7 +170,7 @@ class _HandedOverMisses:
         serial = tally[LOOKUP_SERIAL]
         if not serial:
             serial = tally[LOOKUP_SERIAL] = next(self._serials)
-        events = self._events
+        events = self.events
         events.extend((MISSED, serial, len(keys)))
         events.extend(keys)
 
@@ -199,9 +210,11 @@ class ExporterProcess:
         """Takes a finished request's ``RequestEnded`` fields until the next ``flush``:
         one C call on the engine's hot path (see the module's docstring)."""
         self._findings: list[tuple] = []
-        self._prefix_events: list = []
-        """The prefix events since the last hand-over (``_HandedOverMisses``)."""
+        self._misses = _HandedOverMisses([])
         self._pool_blocks = 0
+        self._queued: collections.deque[tuple[list, list, list]] = collections.deque()
+        """What the engine thread handed over, as lists it no longer touches: records' fields,
+        findings, prefix events. For the pipe's thread to marshal."""
         self._outgoing = bytearray()  # frames, not yet all written
         self._frames: collections.deque[_Frame] = collections.deque()
         self._deaths: list[float] = []
@@ -210,11 +223,13 @@ class ExporterProcess:
         self.dropped = 0
         """Records lost so far, all stages together."""
         self._lock = threading.Lock()
-        """Held by whoever looks after the pipe: the engine thread, or the idle thread."""
-        self._idle = threading.Event()
+        """Held by whoever looks after the pipe: the pipe's thread, or an engine going idle."""
+        self._wake = threading.Event()
+        """Wakes the pipe's thread: something to hand over, the engine idle, the exit."""
+        self._engine_idle = False
         self._closed = False
         self._start_helper()
-        threading.Thread(target=self._look_after_the_pipe_while_idle, name="otel-kvcache-idle", daemon=True).start()
+        threading.Thread(target=self._look_after_the_pipe, name="otel-kvcache-pipe", daemon=True).start()
         atexit.register(self.close)
 
     # --- the helper ---------------------------------------------------------------
@@ -270,6 +285,11 @@ class ExporterProcess:
         return alive
 
     @property
+    def unwritten(self) -> int:
+        """Bytes handed over that the pipe has not taken yet."""
+        return len(self._outgoing)
+
+    @property
     def in_flight(self) -> int:
         """Records written to the helper that it has not yet acknowledged as done."""
         return self._sent - self._done
@@ -322,51 +342,82 @@ class ExporterProcess:
         """Where the engine's requests' miss reasons are found: in the helper (its one
         engine's pool of ``pool_blocks`` sizes the history there)."""
         self._pool_blocks = pool_blocks
-        return _HandedOverMisses(self._prefix_events)
+        return self._misses
 
     def finding(self, finding: Finding) -> None:
         self._findings.append(tuple(finding))
         self.flush()
 
     def flush_if_due(self, now: float) -> None:
-        """Sends what is pending every ``FLUSH_SECONDS``, and what the pipe could not
-        take every ``RETRY_SECONDS`` (the engine calls when ``due``)."""
+        """Every ``FLUSH_SECONDS`` while the engine steps (it calls when ``due``): what it
+        handed over since, to the pipe's thread, which marshals and writes it."""
         if now >= self.due:
-            self._idle.clear()  # stepping: the engine looks after the pipe itself
-            self.flush()
-            self.due = now + (RETRY_SECONDS if self._outgoing else FLUSH_SECONDS)
+            self.due = now + FLUSH_SECONDS
+            self._engine_idle = False
+            self.queue_pending()
+            if self._closed:  # the pipe's thread has ended: counted as lost
+                self.flush()
+            self._wake.set()
+
+    def queue_pending(self) -> None:
+        """The engine thread's share of a hand-over: the lists it filled go to the pipe's
+        thread's queue, and fresh ones take their place, so that the engine thread alone
+        writes to the lists it holds, and never waits for the pipe's lock."""
+        pending, findings, misses = self._pending, self._findings, self._misses
+        if pending or findings or misses.events:
+            self._queued.append((pending, findings, misses.events))  # a deque: safe across threads
+            self._pending, self._findings, misses.events = [], [], []
+            self.request_ended = self._pending.extend
 
     def went_idle(self) -> None:
-        """The engine has no request left: hands over what is pending, and has the idle
-        thread read the acknowledgements and write the rest until nothing is outstanding."""
+        """The engine has no request left: hands over what is pending now, and has the
+        pipe's thread read the acknowledgements until nothing is outstanding."""
         self.flush()
-        if self._outgoing or self.in_flight:
-            self._idle.set()
+        self._engine_idle = True
+        if self.in_flight:
+            self._wake.set()
 
-    def _look_after_the_pipe_while_idle(self) -> None:
+    def _look_after_the_pipe(self) -> None:
+        """The pipe's thread: marshals and writes what the engine queued, reads the
+        helper's acknowledgements, and replaces a helper that died."""
         while True:
-            self._idle.wait()
-            time.sleep(IDLE_SECONDS)
+            self._wake.wait(self._next_look())
+            self._wake.clear()
             with self._lock:
                 if self._closed:
                     return
-                if not self._idle.is_set():  # the engine steps again
-                    continue
-                self._take_acknowledgements()
-                self._write_outgoing()
-                if not (self._outgoing or self.in_flight) or self._gave_up:
-                    self._idle.clear()
+                try:
+                    self._take_acknowledgements()
+                    self._hand_over_queued()
+                    self._write_outgoing()
+                except Exception as exc:  # noqa: BLE001 - ours: counted, and the thread goes on
+                    self.errors.count(HOOK, exc)
+
+    def _next_look(self) -> float | None:
+        """Seconds until the pipe's thread looks again unwoken: soon while the pipe could not
+        take everything; every ``IDLE_SECONDS`` while an idle engine's records are not
+        acknowledged (their failed exports are counted then); else once woken."""
+        if self._gave_up:
+            return None
+        if self._outgoing:
+            return RETRY_SECONDS
+        return IDLE_SECONDS if self._engine_idle and self.in_flight else None
 
     def flush(self) -> None:
+        """Hands over, on the calling thread, whatever the engine handed over and the pipe's
+        thread has not (an engine going idle, a finding, a test)."""
         with self._lock:
+            self.queue_pending()
             if self._closed:  # records handed over after the exit's hand-over: never sent
-                self._drop(len(self._pending) // _FIELDS + len(self._findings), names.STAGE_PIPE)
-                self._pending.clear()
-                self._findings.clear()
-                self._prefix_events.clear()
+                while self._queued:
+                    pending, findings, _ = self._queued.popleft()
+                    self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_PIPE)
                 return
             self._take_acknowledgements()
-            self._hand_over_pending()
+            self._hand_over_queued()
+            self._write_outgoing()
+        if self._outgoing:  # what the pipe could not take, the pipe's thread writes
+            self._wake.set()
 
     def _take_acknowledgements(self) -> None:
         """Reads what the helper said, replacing it if it died."""
@@ -379,9 +430,10 @@ class ExporterProcess:
             if not self._gave_up:
                 self._write_what_fits()  # to the new helper
 
-    def _hand_over_pending(self) -> None:
-        pending, findings, prefix_events = self._pending, self._findings, self._prefix_events
-        if pending or findings or prefix_events:
+    def _hand_over_queued(self) -> None:
+        """A frame for each hand-over queued, in turn (held: the lock)."""
+        while self._queued:
+            pending, findings, prefix_events = self._queued.popleft()
             # Prefix events are no records: lost with a frame's, the helper's history misses
             # them (its next misses lean cold), and no span does.
             if self._gave_up:
@@ -392,15 +444,11 @@ class ExporterProcess:
                 if prefix_events and len(self._outgoing) > MOST_BUFFERED_FOR_PREFIX_EVENTS:
                     lost = TelemetryLost(f"{len(prefix_events)} entries of prefix events lost at {names.STAGE_PIPE}")
                     self.errors.count(HOOK, lost)
-                    prefix_events.clear()
+                    prefix_events = []
                 frame, count = self._marshalled(pending, findings, prefix_events)
                 self._outgoing += _FRAME_HEADER.pack(len(frame))
                 self._outgoing += frame
                 self._frames.append(_Frame(_FRAME_HEADER.size + len(frame), count))
-            pending.clear()
-            findings.clear()
-            prefix_events.clear()
-        self._write_outgoing()
 
     def _marshalled(self, ended_fields: list, findings: list[tuple], prefix_events: list) -> tuple[bytes, int]:
         """A frame: the prefix events, then the finished requests' fields as one flat
@@ -470,12 +518,14 @@ class ExporterProcess:
         not waited for)."""
         with self._lock:
             self._closed = True
-            self._idle.set()  # the idle thread ends
+            self._wake.set()  # the pipe's thread ends
+            self.queue_pending()
             stdin = self._launcher.stdin
             if stdin is None or stdin.closed or self._gave_up:
                 return False
             self._take_acknowledgements()
-            self._hand_over_pending()
+            self._hand_over_queued()
+            self._write_outgoing()
             deadline = time.monotonic() + CLOSE_SECONDS
             while self._outgoing and time.monotonic() < deadline:
                 select.select([], [self._fd], [], max(0.0, deadline - time.monotonic()))

@@ -12,9 +12,9 @@ collector to count (``benchmarks/RESULTS.md`` has the numbers).
 The marshal and the writes are the pipe's thread's (``_look_after_the_pipe``),
 not the engine thread's: every ``FLUSH_SECONDS`` the engine puts the lists it
 filled in the thread's queue, takes fresh ones, and wakes the thread
-(``flush_if_due``), and it never waits for the thread's lock. A second of churn
-cost the engine thread about 14 k instructions a finished request there, a sixth
-of all otel-kvcache did on it (``benchmarks/RESULTS.md``). The thread takes
+(``flush_if_due``), and it never waits for the thread's lock. On the engine
+thread, that marshal had cost churn about 14 k instructions a finished request,
+a sixth of all otel-kvcache did there (``benchmarks/RESULTS.md``). The thread takes
 the interpreter's lock for as long as each ``marshal`` runs (about a millisecond
 for a second of 200 requests), as any Python thread would: on a GPU engine that
 mostly falls in the engine thread's own waits for the device, which let it go.
@@ -207,8 +207,9 @@ class ExporterProcess:
         self._pending: list = []
         """Finished requests' ``RequestEnded`` fields, one after another (flat)."""
         self.request_ended = self._pending.extend
-        """Takes a finished request's ``RequestEnded`` fields until the next ``flush``:
-        one C call on the engine's hot path (see the module's docstring)."""
+        """Takes a finished request's ``RequestEnded`` fields until the next hand-over:
+        one C call on the engine's hot path (see the module's docstring); bound anew
+        to each fresh list (``queue_pending``)."""
         self._findings: list[tuple] = []
         self._misses = _HandedOverMisses([])
         self._pool_blocks = 0

@@ -143,7 +143,10 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
         engine = getattr(driver.scheduler, ENGINE_ATTRIBUTE)
         engine.pool.settle()
         engine.exporter.flush()
-        while engine.exporter.unwritten:  # the pipe's thread writes the rest as the helper reads
+        written_by = time.monotonic() + 120  # the pipe's thread writes the rest as the helper reads
+        while engine.exporter.unwritten:
+            if time.monotonic() > written_by:  # it would write during the window, and be counted there
+                raise RuntimeError(f"the warm-up's frame was not written: {engine.exporter.unwritten} bytes left")
             time.sleep(0.05)
         meter_provider.force_flush()  # the what-if curve and the series' counts catch up there
     freeze_gc_heap()

@@ -25,7 +25,7 @@ and +0.64 %: ``benchmarks/RESULTS.md``). Churn, whose overhead is nearest its ta
 is counted at ``LAYOUTS`` layouts, and judged by their median (``judged_overhead``),
 which two stray layouts do not move: of nine layouts counted from three environments at
 the change that brought churn to +0.8 %, two landed just past 1 % (+1.01 and +1.04 %),
-and a median of three would fail about one run in eight. Wide, whose one layout read
+and by those nine a median of three would fail about one run in eight. Wide, whose one layout read
 -0.20, +0.50 and +0.89 % in three environments at that change (vLLM's own count moves
 0.4 % between them), is judged by the median of three; decode-heavy, far from its
 target, at one (each layout more costs about one minute on churn, three on wide).

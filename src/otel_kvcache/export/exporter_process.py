@@ -17,7 +17,8 @@ thread, that marshal had cost churn about 14 k instructions a finished request,
 a sixth of all otel-kvcache did there (``benchmarks/RESULTS.md``). The thread takes
 the interpreter's lock for as long as each ``marshal`` runs (about a millisecond
 for a second of 200 requests), as any Python thread would: on a GPU engine that
-mostly falls in the engine thread's own waits for the device, which let it go.
+should mostly fall in the engine thread's own waits for the device, which let it go
+(not measured: this project's machines have no GPU).
 An engine that goes idle hands over at once, on its own thread: it has nothing
 else to do then, and what it finished is exported without waiting a second.
 
@@ -412,7 +413,7 @@ class ExporterProcess:
             if self._closed:  # records handed over after the exit's hand-over: never sent
                 while self._queued:
                     pending, findings, _ = self._queued.popleft()
-                    self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_PIPE)
+                    self._drop(_records(pending, findings), names.STAGE_PIPE)
                 return
             self._take_acknowledgements()
             self._hand_over_queued()
@@ -438,9 +439,9 @@ class ExporterProcess:
             # Prefix events are no records: lost with a frame's, the helper's history misses
             # them (its next misses lean cold), and no span does.
             if self._gave_up:
-                self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_HELPER_DIED)
+                self._drop(_records(pending, findings), names.STAGE_HELPER_DIED)
             elif len(self._outgoing) > MAX_BUFFERED_BYTES:  # the helper is that far behind
-                self._drop(len(pending) // _FIELDS + len(findings), names.STAGE_PIPE)
+                self._drop(_records(pending, findings), names.STAGE_PIPE)
             else:
                 if prefix_events and len(self._outgoing) > MOST_BUFFERED_FOR_PREFIX_EVENTS:
                     lost = TelemetryLost(f"{len(prefix_events)} entries of prefix events lost at {names.STAGE_PIPE}")
@@ -553,6 +554,11 @@ class ExporterProcess:
                 return True
             select.select([self._acks_fd], [], [], max(0.0, deadline - time.monotonic()))
         return False
+
+
+def _records(ended_fields: list, findings: list) -> int:
+    """How many records one hand-over holds: finished requests (their fields flat) and findings."""
+    return len(ended_fields) // _FIELDS + len(findings)
 
 
 def _with_plain_headers(fields: list) -> list:

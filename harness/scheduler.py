@@ -3,7 +3,8 @@
 One full-attention KV group over the demo's tiny llama config (vLLM reads the
 config only; no weights are loaded), so that the tests (``tests/engine_harness.py``)
 and the benchmarks (``benchmarks/scheduler_driver.py``) drive the same scheduler
-without importing each other.
+without importing each other; or a hybrid model's groups (``KVLayout``), built as
+vLLM's EngineCore builds its scheduler for them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import vllm.triton_utils
@@ -22,10 +24,19 @@ from vllm.config import (
     ModelConfig,
     ObservabilityConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -57,6 +68,41 @@ def scheduler_only_platform() -> Iterator[None]:
         vllm.triton_utils.HAS_TRITON = has_triton
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """A hybrid model's KV cache groups: ``(kind, block size)`` each, ``full`` (attention),
+    ``sliding`` (attention over the last ``SLIDING_WINDOW`` tokens) or ``mamba`` (a Mamba/GDN
+    state, cached in vLLM's "align" mode), and vLLM's ``--prefix-match-unit``."""
+
+    groups: tuple[tuple[str, int], ...]
+    prefix_match_unit: int | None = None
+
+
+SLIDING_WINDOW = 64
+
+LAYOUTS = {
+    "sliding-window": KVLayout((("full", 16), ("sliding", 16))),
+    "mamba": KVLayout((("full", 64), ("mamba", 64))),
+    "mamba-finer-attention": KVLayout((("full", 16), ("mamba", 64))),
+    "prefix-match-unit": KVLayout((("full", 64), ("mamba", 64)), prefix_match_unit=16),
+}
+"""The hybrid layouts the tests run: attention beside a sliding window, and beside a Mamba
+group of the same and of a larger block size, hashed at the block size or finer."""
+
+
+def _group_spec(kind: str, block_size: int, page_size: int | None,
+                speculative_tokens: int = 0) -> FullAttentionSpec | SlidingWindowSpec | MambaSpec:  # fmt: skip
+    attention = {"block_size": block_size, "num_kv_heads": 1, "head_size": 64, "dtype": torch.float32}
+    if kind == "full":
+        return FullAttentionSpec(**attention)
+    if kind == "sliding":
+        return SlidingWindowSpec(**attention, sliding_window=SLIDING_WINDOW)
+    # vLLM pads a Mamba state's page to the attention page, so that every group's blocks
+    # come from one pool; with speculative decoding a state block per draft token.
+    return MambaSpec(block_size=block_size, shapes=((4, 64),), dtypes=(torch.float32,), page_size_padded=page_size,
+                     mamba_cache_mode="align", num_speculative_blocks=speculative_tokens)  # fmt: skip
+
+
 def make_model_config(directory: str) -> ModelConfig:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(TINY_LLAMA_CONFIG, f)
@@ -76,12 +122,20 @@ def make_scheduler(
     kv_events: bool = True,
     kv_cache_metrics_sample: float | None = None,
     kv_transfer_config: KVTransferConfig | None = None,
+    layout: KVLayout | None = None,
+    speculative_tokens: int = 0,
     **scheduler_options,
 ) -> Scheduler:
-    """A real Scheduler on one full-attention KV group; ``kv_cache_metrics_sample``
-    turns on vLLM's own ``--kv-cache-metrics`` at that sample rate, ``kv_transfer_config``
-    gives it a KV connector (its scheduler side: NIXL's needs no NIXL library); other
-    keywords go to its ``SchedulerConfig`` (``max_num_inflight_kv_loads``, from 0.34)."""
+    """A real Scheduler on one full-attention KV group, or on ``layout``'s groups;
+    ``kv_cache_metrics_sample`` turns on vLLM's own ``--kv-cache-metrics`` at that sample
+    rate, ``kv_transfer_config`` gives it a KV connector (its scheduler side: NIXL's needs
+    no NIXL library), ``speculative_tokens`` n-gram speculative decoding with that many
+    draft tokens a step; other keywords go to its ``SchedulerConfig``
+    (``max_num_inflight_kv_loads``, from 0.34)."""
+    if layout is not None:
+        return _make_hybrid_scheduler(
+            model_config, num_blocks, layout, max_num_seqs, max_num_batched_tokens, log_stats, speculative_tokens
+        )
     observability = (
         ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=kv_cache_metrics_sample)
         if kv_cache_metrics_sample
@@ -101,6 +155,7 @@ def make_scheduler(
             kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
             observability_config=observability,
             kv_transfer_config=kv_transfer_config,
+            speculative_config=_ngram(speculative_tokens),
         )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     vllm_config.parallel_config.data_parallel_index = data_parallel_rank
@@ -121,6 +176,74 @@ def make_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
+        log_stats=log_stats,
+    )
+
+
+def _ngram(draft_tokens: int) -> SpeculativeConfig | None:
+    """N-gram speculation (prompt lookup: no draft model), or None without draft tokens."""
+    if not draft_tokens:
+        return None
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=draft_tokens, prompt_lookup_max=4,
+                             prompt_lookup_min=2)  # fmt: skip
+
+
+def _make_hybrid_scheduler(
+    model_config: ModelConfig,
+    num_blocks: int,
+    layout: KVLayout,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    log_stats: bool,
+    speculative_tokens: int,
+) -> Scheduler:
+    """A real Scheduler on ``layout``'s groups, its block sizes resolved as vLLM's EngineCore
+    resolves them (``resolve_kv_cache_block_sizes``: the scheduler's block size, and the
+    ``hash_block_size`` its requests' prefixes are hashed at)."""
+    mamba = [block_size for kind, block_size in layout.groups if kind == "mamba"]
+    with scheduler_only_platform():
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=MAX_MODEL_LEN,
+                is_encoder_decoder=False,
+                enable_chunked_prefill=True,
+            ),
+            # A Mamba model's cache config as vLLM's MambaModelConfig leaves it: "align" mode,
+            # its block size the Mamba group's.
+            cache_config=CacheConfig(
+                block_size=mamba[0] if mamba else layout.groups[0][1],
+                enable_prefix_caching=True,
+                mamba_cache_mode="align" if mamba else "none",
+                mamba_block_size=mamba[0] if mamba else None,
+                prefix_match_unit=layout.prefix_match_unit,
+            ),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            observability_config=ObservabilityConfig(),
+            speculative_config=_ngram(speculative_tokens),
+        )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    page_size = _group_spec("full", layout.groups[0][1], None).page_size_bytes
+    groups = [
+        KVCacheGroupSpec([f"model.layers.{index}.{kind}"], _group_spec(kind, block_size, page_size, speculative_tokens))
+        for index, (kind, block_size) in enumerate(layout.groups)
+    ]
+    layers = [name for group in groups for name in group.layer_names]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        # The groups' layers overlay one another (a block id is one group's at a time).
+        kv_cache_tensors=[KVCacheTensor(size=page_size * num_blocks, layers=layers, layer_stride=0, block_stride=page_size)],
+        kv_cache_groups=groups,
+    )
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
         log_stats=log_stats,
     )
 

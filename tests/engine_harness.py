@@ -17,9 +17,9 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, make_block_hash_with_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 
@@ -53,6 +53,8 @@ class GroundTruth:
     """A KV connector's hit tokens at each request's first admission (vLLM's prefill stats)."""
     kv_transfer_params: dict[str, dict] = field(default_factory=dict)
     """What each finished request hands the next engine, as vLLM returns it to the client."""
+    draft_tokens_scheduled: int = 0
+    """Draft tokens vLLM scheduled for verification (speculative decoding)."""
     update_started: float = 0.0
     update_ended: float = 0.0
     """``time.monotonic()`` around the last step's ``update_from_output``."""
@@ -108,7 +110,11 @@ class EngineHarness:
         scheduler.kv_cache_manager.allocate_slots = _AllocationRecorder(self)
         init_none_hash(sha256)
         self.block_size = scheduler.block_size
-        self.block_hasher = get_request_block_hasher(self.block_size, sha256)
+        # As vLLM's EngineCore hashes a request's prompt: every hash_block_size tokens.
+        self.block_hasher = get_request_block_hasher(scheduler.hash_block_size, sha256)
+        self.draft_tokens = 0
+        """Draft tokens proposed for each running request after each step (speculative
+        decoding): the step after, the first few of them are accepted, a different number each time."""
         self.requests: dict[str, Request] = {}
         self.truth = GroundTruth()
         self.steps = 0
@@ -166,9 +172,11 @@ class EngineHarness:
             self.truth.peak_blocks[request_id] = max(self.truth.peak_blocks[request_id], held)
             self.truth.last_held_blocks[request_id] = held
         req_ids = list(output.num_scheduled_tokens)
+        drafts = output.scheduled_spec_decode_tokens
+        self.truth.draft_tokens_scheduled += sum(map(len, drafts.values()))
         runner_output = model_runner_output(
             req_ids,
-            [[(self.steps + i) % VOCAB_SIZE] for i in range(len(req_ids))],
+            [self._accepted(drafts.get(req_id, ()), i) + [(self.steps + i) % VOCAB_SIZE] for i, req_id in enumerate(req_ids)],
             kv_connector_output=kv_connector_output,
         )
         self.truth.update_started = time.monotonic()
@@ -189,8 +197,17 @@ class EngineHarness:
             if stats is not None and stats.connector_prefix_cache_stats is not None:
                 c = stats.connector_prefix_cache_stats
                 self.truth.connector_hits += c.hits + c.preempted_hits
+        if self.draft_tokens:
+            running = [request_id for request_id, request in self.scheduler.requests.items()
+                       if request.status == RequestStatus.RUNNING]  # fmt: skip
+            proposals = [[(self.steps + k) % VOCAB_SIZE for k in range(self.draft_tokens)] for _ in running]
+            self.scheduler.update_draft_token_ids(DraftTokenIds(running, proposals))
         self.steps += 1
         return output
+
+    def _accepted(self, drafted, index: int) -> list:
+        """The draft tokens the model accepts: the first few of those the step verified."""
+        return list(drafted)[: (self.steps + index) % (len(drafted) + 1)] if drafted else []
 
     def run(self, max_steps: int = 2000, after_step=None, after_schedule=None) -> None:
         for _ in range(max_steps):
@@ -336,3 +353,91 @@ class KVTransfers:
                 return
             self.step()
         raise AssertionError(f"transfers still unfinished after {max_steps} steps")
+
+
+class PrefixCacheTruth:
+    """What vLLM's prefix cache could have given each counted lookup, by vLLM's own lookup.
+
+    Kept beside an ``EngineHarness``: every entry vLLM's pool registers
+    (``_insert_block_hash``), and those it drops for want of blocks (``get_new_blocks``
+    evicting), stay known; an entry it drops for another reason (a partial-block entry
+    replaced when its block fills up, a Mamba state it overwrites) was never there to
+    evict, and goes. At each lookup (``get_computed_blocks``), vLLM's coordinator looks
+    the request up again over those entries, as a cache that never evicted would hold
+    them: its hit beyond vLLM's own is the evicted tokens; the units vLLM could look up
+    beyond that, the cold. Also the blocks each lookup gave, vLLM's null placeholders
+    left out, summed over the request's admissions.
+    """
+
+    def __init__(self, harness: EngineHarness) -> None:
+        scheduler = harness.scheduler
+        self.unit = scheduler.hash_block_size
+        manager, pool = scheduler.kv_cache_manager, scheduler.kv_cache_manager.block_pool
+        self.held: set = set()
+        self.evicted: dict[str, int] = Counter()
+        self.cold: dict[str, int] = Counter()
+        self.hit_blocks: dict[str, int] = Counter()
+        self._looked_up: dict[str, tuple[int, int, int]] = {}  # request id -> (units, never-evicted hit, blocks)
+        self._evicting = False
+        insert, remove, new_blocks = pool._insert_block_hash, pool._remove_cached_block_hashes, pool.get_new_blocks
+        find, computed, record = (manager.coordinator.find_longest_cache_hit, manager.get_computed_blocks,
+                                  manager.record_prefix_cache_stats)  # fmt: skip
+
+        def inserting(key, block, num_tokens):
+            self.held.add(key)
+            return insert(key, block, num_tokens)
+
+        def removing(block):
+            removed = remove(block)
+            if not self._evicting:
+                self.held.difference_update(removed)
+            return removed
+
+        def getting_new_blocks(num_blocks):
+            self._evicting = True
+            try:
+                return new_blocks(num_blocks)
+            finally:
+                self._evicting = False
+
+        def never_evicted(block_hash, group_ids):
+            if all(make_block_hash_with_group_id(block_hash, group) in self.held for group in group_ids):
+                return [pool.null_block] * len(group_ids)
+            return None
+
+        def finding(block_hashes, max_cache_hit_length, *args, **kwargs):
+            pool.get_cached_block = never_evicted
+            try:
+                _, hit, *_ = find(block_hashes, max_cache_hit_length, *args, **kwargs)
+            finally:
+                del pool.get_cached_block
+            self._bound = (max_cache_hit_length // self.unit, hit)
+            return find(block_hashes, max_cache_hit_length, *args, **kwargs)
+
+        def looking_up(request):
+            self._bound = None
+            manager.coordinator.find_longest_cache_hit = finding
+            try:
+                result = computed(request)
+            finally:
+                del manager.coordinator.find_longest_cache_hit
+            if self._bound is not None:
+                blocks = sum(not block.is_null for group in result[0].blocks for block in group)
+                self._looked_up[request.request_id] = (*self._bound, blocks)
+            return result
+
+        def recording(request, num_hits):
+            record(request, num_hits)
+            looked_up = self._looked_up.pop(request.request_id, None)
+            if looked_up is None:
+                return
+            units, never_evicted_hit, blocks = looked_up
+            self.hit_blocks[request.request_id] += blocks
+            if not manager.prefix_cache_lookup_enabled(request):
+                return
+            reach = max(never_evicted_hit, num_hits)
+            self.evicted[request.request_id] += reach - num_hits
+            self.cold[request.request_id] += units * self.unit - reach
+
+        pool._insert_block_hash, pool._remove_cached_block_hashes, pool.get_new_blocks = inserting, removing, getting_new_blocks
+        manager.get_computed_blocks, manager.record_prefix_cache_stats = looking_up, recording

@@ -14,7 +14,7 @@ import random
 import tempfile
 
 from engine_harness import EngineHarness
-from harness.scheduler import VOCAB_SIZE, make_model_config, make_scheduler
+from harness.scheduler import LAYOUTS, VOCAB_SIZE, make_model_config, make_scheduler
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
@@ -22,6 +22,8 @@ BLOCK_SIZE = 16
 POOL_BLOCKS = 600
 """The pool the instrumented replay runs with: it evicts, and preempts at half its size."""
 ARRIVALS_PER_STEP = 2
+HYBRID_REQUESTS = 600
+"""The stream's first requests that the hybrid layouts' tests replay."""
 
 
 def prompts(count: int = 900, seed: int = 7) -> list[list[int]]:
@@ -48,9 +50,9 @@ def prompts(count: int = 900, seed: int = 7) -> list[list[int]]:
     return stream
 
 
-def replay(engine: EngineHarness) -> EngineHarness:
-    """Feeds the stream to ``engine``, ``ARRIVALS_PER_STEP`` requests a step, to the end."""
-    for index, prompt in enumerate(prompts()):
+def replay(engine: EngineHarness, stream: list[list[int]] | None = None) -> EngineHarness:
+    """Feeds the stream (or ``stream``) to ``engine``, ``ARRIVALS_PER_STEP`` requests a step, to the end."""
+    for index, prompt in enumerate(prompts() if stream is None else stream):
         engine.add(
             Request(
                 request_id=f"stream-{index}",
@@ -71,4 +73,14 @@ def measured_hit_ratio(num_blocks: int) -> float:
     pool of ``num_blocks``; run in a fresh process, where nothing is instrumented."""
     scheduler = make_scheduler(make_model_config(tempfile.mkdtemp()), num_blocks=num_blocks, max_num_seqs=32)
     engine = replay(EngineHarness(scheduler))
+    return engine.truth.prefix_hits / engine.truth.prefix_queries
+
+
+def measured_hybrid_hit_ratio(num_blocks: int, layout: str) -> float:
+    """As ``measured_hit_ratio``, on one of ``harness.scheduler.LAYOUTS``, for the stream's
+    first ``HYBRID_REQUESTS``."""
+    scheduler = make_scheduler(
+        make_model_config(tempfile.mkdtemp()), num_blocks=num_blocks, max_num_seqs=32, layout=LAYOUTS[layout]
+    )
+    engine = replay(EngineHarness(scheduler), prompts(count=HYBRID_REQUESTS))
     return engine.truth.prefix_hits / engine.truth.prefix_queries

@@ -482,23 +482,26 @@ def test_prefix_events_whose_hashes_never_came_cost_that_event_and_no_more(caplo
     from otel_kvcache.export.exporter_process import PrefixEvents, _HandedOverMisses
     from otel_kvcache.export.miss_reasons import MissReasonsFromTheEngine
     from otel_kvcache.export.spans import RequestEnded
+    from otel_kvcache.vllm_compat.layouts import single_group
 
     block_hash = [hashlib.sha256(bytes([n])).digest() for n in range(3)]  # as vLLM's hasher makes them
     tallies = [tally.blank_tally(16, 64) for _ in range(3)]
     events: list = []
     handed_over = _HandedOverMisses(events)
+    handed_over.unit = 16
     helper = MissReasonsFromTheEngine()
+    layout = tuple(single_group(16))
 
     handed_over.freed(block_hash[:2])
-    handed_over.missed(tallies[0], block_hash[:1])  # freed before: evicted
-    handed_over.missed(tallies[1], block_hash[2:])  # never freed: cold
+    handed_over.missed(tallies[0], block_hash[:1], 0)  # freed before: evicted
+    handed_over.missed(tallies[1], block_hash[2:], 0)  # never freed: cold
     events.extend((-1, 1))  # a free whose hashes never came
-    handed_over.missed(tallies[2], block_hash[1:2])  # read on after the loss: freed before, evicted
+    handed_over.missed(tallies[2], block_hash[1:2], 0)  # read on after the loss: freed before, evicted
     with caplog.at_level("WARNING"):
-        assert helper.took(PrefixEvents(64, list(events)))
+        assert helper.took(PrefixEvents(64, layout, list(events)))
     del events[:]
-    handed_over.missed(tallies[2], block_hash[1:2])  # the next frame: evicted again
-    assert helper.took(PrefixEvents(64, list(events)))
+    handed_over.missed(tallies[2], block_hash[1:2], 0)  # the next frame: evicted again
+    assert helper.took(PrefixEvents(64, layout, list(events)))
     assert caplog.text.count("lost their order") == 1
 
     def reasons(counts: list) -> tuple[int, int]:

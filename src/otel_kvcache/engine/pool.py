@@ -139,6 +139,7 @@ class PoolTracker:
         "_unpinning",
         "_hit",
         "_front",
+        "on_cached_freed",
     )
 
     def __init__(self, pool: Any) -> None:
@@ -155,6 +156,9 @@ class PoolTracker:
         self._hit: dict[int, Any] = {}
         self._front: dict[int, tuple[Any, float]] = {}
         """Cached blocks vLLM put at the head of the queue (``evict_first``): id -> (hash, freed at)."""
+        self.on_cached_freed: Any = None
+        """Called with the blocks ``append_n`` is given, where the engine reads their prefixes
+        (a hybrid model's: ``EngineTelemetry._entries_freed``); None elsewhere."""
         self._pops, self._popped_at = array("q"), array("d")
         self._spare_runs: list[Run] = []
         self.due = time.monotonic() + SETTLE_SECONDS
@@ -311,6 +315,8 @@ class PoolTracker:
             self._runs.append(run)
             self._queued += queued
             self.cached += live
+            if self.on_cached_freed is not None:  # last: a failure there costs the pool nothing
+                self.on_cached_freed(blocks)
 
 
     def _index_new_runs(self) -> None:

@@ -68,6 +68,7 @@ FIELDS = (
     "released_tokens",  # computed tokens at release: where the last stretch ends (``released_occupancy``)
     "session_id_length",  # a client's session id that was cut: its length (``bounds.py``), else 0
     "lookup_serial",  # its missed lookups' number in what the helper is handed (0: none), ``exporter_process.py``
+    "period_hit_blocks",  # the blocks the prefix hit of the admission period under way gave it
 )
 (
     START_NS,
@@ -105,6 +106,7 @@ FIELDS = (
     RELEASED_TOKENS,
     SESSION_ID_LENGTH,
     LOOKUP_SERIAL,
+    PERIOD_HIT_BLOCKS,
 ) = range(len(FIELDS))
 
 REPORTED = FIELDS[: TURN_GAP_NS + 1]
@@ -149,7 +151,7 @@ def close_admission_period(tally: Tally, held: int) -> None:
     tally[ALLOCATED] += max(held - hit_blocks, 0)
     if held > tally[PEAK]:
         tally[PEAK] = held
-    tally[PERIOD_HIT_TOKENS] = 0
+    tally[PERIOD_HIT_TOKENS] = tally[PERIOD_HIT_BLOCKS] = 0
 
 
 def hold(tally: Tally, now_ns: int, tokens: int, blocks: int) -> None:
@@ -211,11 +213,11 @@ def occupancy_until(tally: Sequence[int], now_ns: int, tokens: int) -> int:
 
 
 def count_period_hits(tally: Tally) -> int:
-    """The period's prefix hits join the request's; returns them in blocks. Also for
+    """The period's prefix hits join the request's; returns them in blocks (as many as
+    the hit gave it, across its KV cache groups: ``EngineTelemetry._admitted``). Also for
     a later admission in the same period (a streaming session's next chunk): the
     earlier one's hits count then, the new one's when the period closes."""
-    hit_tokens = tally[PERIOD_HIT_TOKENS]
-    hit_blocks = -(-hit_tokens // tally[BLOCK_SIZE])
-    tally[CACHE_READ_TOKENS] += hit_tokens
+    hit_blocks = tally[PERIOD_HIT_BLOCKS]
+    tally[CACHE_READ_TOKENS] += tally[PERIOD_HIT_TOKENS]
     tally[PREFIX_HIT_BLOCKS] += hit_blocks
     return hit_blocks

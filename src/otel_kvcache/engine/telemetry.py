@@ -45,6 +45,7 @@ from otel_kvcache.engine.tally import (
     LAST_STALL_STEP,
     OUTPUT_TOKENS,
     PEAK,
+    PERIOD_HIT_BLOCKS,
     PERIOD_HIT_TOKENS,
     STRETCH_START_BLOCKS,
     STRETCH_START_NS,
@@ -71,6 +72,13 @@ from otel_kvcache.engine.tally import (
 from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.spans import RequestExporter
+from otel_kvcache.vllm_compat.layouts import (
+    attention_reach_reader,
+    cached_entries_reader,
+    entries_reader,
+    hit_blocks_counter,
+    prefix_layout,
+)
 from otel_kvcache.vllm_compat import (
     allocation_failed,
     allocation_watch,
@@ -117,7 +125,8 @@ class EngineTelemetry:
         "_finish_reasons", "_waiting_for_blocks", "_lookup_enabled", "_lookup_keys", "trace_headers_of",
         "value_limit", "attribution", "_session_of", "_arrival_of", "_new_requests_of",
         "_resumed_ids_of", "reconciler", "reuse", "preempted_blocks", "preempted_demand",
-        "_chores_due", "connectors", "misses",
+        "_chores_due", "connectors", "misses", "layout", "_attention_reach", "_hit_blocks", "pending_hit_blocks",
+        "_entries_of", "bound_hooks", "_cached_entries",
     )  # fmt: skip
 
     def __init__(
@@ -130,6 +139,8 @@ class EngineTelemetry:
         self.exporter = exporter
         self.errors = errors
         self.block_size: int = scheduler_block_size(scheduler)
+        self.layout = prefix_layout(scheduler)
+        """Where a prefix hit can end, and the unit prefix numbers are counted in (``layouts.py``)."""
         self.index: int = engine_index(scheduler.vllm_config)
         self.attributes = {names.ENGINE_INDEX: self.index}
         self.pool = PoolTracker(manager.block_pool)
@@ -180,16 +191,30 @@ class EngineTelemetry:
         self._resumed_ids_of = resumed_request_ids_reader()
         self.reconciler = Reconciler(self, scheduler)
         rate = config.whatif_sample_rate()
-        self.reuse = PrefixReuse(self.pool.limit, default_sample_rate(self.pool.limit) if rate is None else rate)
+        rate = default_sample_rate(self.pool.limit) if rate is None else rate
+        self.reuse = PrefixReuse(self.pool.limit, rate, self.layout)
         """The what-if curve and the miss reasons' counters, fed by the lookups and the frees here."""
-        self.misses = exporter.miss_reasons(self.pool.limit, self.block_size)
+        self.misses = exporter.miss_reasons(self.pool.limit, self.layout)
         """Each request's miss reasons, found where its span is built (``whatif.py``)."""
+        self._attention_reach = attention_reach_reader() if self.layout.hybrid else None
+        self._hit_blocks = hit_blocks_counter(manager.coordinator.single_type_managers)
+        """Blocks a prefix hit gave a request, on a model of several groups (None on one)."""
+        self.pending_hit_blocks: dict[str, int] = {}
+        self._cached_entries = cached_entries_reader(
+            manager.block_pool, manager.coordinator.single_type_managers, self.layout
+        )
+        self._entries_of = entries_reader(manager.block_pool, self.layout)
+        if self._entries_of is not None:  # a hybrid model: where its hits can end reaches the free queue
+            self.pool.on_cached_freed = self._entries_freed
         self.preempted_blocks: dict[str, int] = {}
         """Blocks each preempted request gave back, until it runs again: demand the pool lacked."""
         self.preempted_demand = 0
         self._chores_due = 0.0
         self.connectors: ConnectorTelemetry | None = None
         """The KV connector's accounting, for an engine that has one (set by ``patch.py``)."""
+        self.bound_hooks: list[tuple[Any, str, Any]] = []
+        """(vLLM's object, method, our bound method) patched on this engine's own objects as it
+        started (``patch.py``), for ``uninstrument()``."""
 
     # --- helpers ------------------------------------------------------------
 
@@ -228,6 +253,8 @@ class EngineTelemetry:
             self.extra_events.pop(request_id, None)
         for request_id in [rid for rid in self.pending_hits if rid not in live]:
             del self.pending_hits[request_id]
+        for request_id in [rid for rid in self.pending_hit_blocks if rid not in live]:
+            del self.pending_hit_blocks[request_id]
         for request_id in [rid for rid in self.preempted_blocks if rid not in live]:
             self.preempted_demand -= self.preempted_blocks.pop(request_id)
         if self.connectors is not None:
@@ -241,20 +268,28 @@ class EngineTelemetry:
 
     def on_prefix_cache_lookup(self, request: Any, num_hits: int) -> None:
         """After ``record_prefix_cache_stats``: an admission's local prefix-hit tokens
-        (vLLM's arguments, as it passes them)."""
-        self.pending_hits[request.request_id] = num_hits  # taken once the step's admissions are known
+        (vLLM's arguments, as it passes them), once its blocks are allocated."""
+        request_id = request.request_id
+        self.pending_hits[request_id] = num_hits  # taken once the step's admissions are known
+        if self._hit_blocks is not None:
+            self.pending_hit_blocks[request_id] = self._hit_blocks(request_id, num_hits)
         if self._lookup_enabled(request):  # vLLM's own test for counting the lookup
-            queried, block_size = request.num_tokens, self.block_size
+            queried, unit = request.num_tokens, self.layout.unit
             self.prefix_cache_queries += queried
             self.prefix_cache_hits += num_hits
             used = self.pool.limit - self.pool.queue.num_free_blocks
-            keys = self._lookup_keys(request, block_size)
-            hit_blocks = num_hits // block_size
+            keys = self._lookup_keys(request, unit)
+            hit_blocks = num_hits // unit
+            # Missed units whose attention blocks are in the cache (a hybrid model's), and the
+            # other groups' entries there that running requests hold.
+            present = 0 if self._attention_reach is None else max(self._attention_reach(request) // unit - hit_blocks, 0)
+            if present and self._cached_entries is not None:
+                self._entries_held(self._cached_entries(request.request_id, keys[hit_blocks : hit_blocks + present]))
             try:  # each whatever the other does (a try costs nothing until it catches)
-                self.reuse.on_lookup(keys, hit_blocks, block_size, queried, used, time.monotonic())
+                self.reuse.on_lookup(keys, hit_blocks, unit, queried, used, time.monotonic(), present)
             finally:
                 if hit_blocks < len(keys):
-                    self.misses.missed(self._tally_of(request), keys[hit_blocks:])
+                    self.misses.missed(self._tally_of(request), keys[hit_blocks:], present)
 
     def on_scheduled(self, output: Any) -> None:
         """After ``schedule()``, once a step: the step's admissions, the attempt that
@@ -289,6 +324,10 @@ class EngineTelemetry:
         request = self.scheduler_requests[request_id]
         tally = self._tally_of(request)
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
+        if self._hit_blocks is None:  # one full-attention group: the blocks the hit's tokens fill
+            hit_blocks = -(-hit_tokens // self.block_size)
+        else:
+            hit_blocks = self.pending_hit_blocks.pop(request_id, 0)
         held = self.held_blocks(request_id)
         if tally[ADMITTED_NS] or tally[PREEMPTIONS]:  # resumed, or a streaming session's next chunk
             if self.preempted_blocks:
@@ -306,6 +345,7 @@ class EngineTelemetry:
             tally[ADMITTED_HIT_TOKENS] = hit_tokens
             tally[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
         tally[PERIOD_HIT_TOKENS] = hit_tokens
+        tally[PERIOD_HIT_BLOCKS] = hit_blocks
 
     def on_stall(self, request: Any) -> None:
         """The scheduler tried to give this request blocks in this step and found none."""
@@ -344,7 +384,7 @@ class EngineTelemetry:
             detail = (computed, reported, len(preempted_for))
         self.event(request.request_id, names.EVENT_PREEMPTED, released, detail)
         # The prefix's frees last: a failure there costs them, not the span's event.
-        self._prefix_freed(request.block_hashes, computed // self.block_size)
+        self._prefix_freed(request.block_hashes, computed // self.layout.unit)
 
     def before_release(self, request: Any) -> int:
         return self.held_blocks(request.request_id)
@@ -370,6 +410,8 @@ class EngineTelemetry:
         events = self.extra_events.pop(request_id, None) if self.extra_events else None
         if self.pending_hits:  # looked up, then aborted while its remote KV was loading
             self.pending_hits.pop(request_id, None)
+            if self.pending_hit_blocks:
+                self.pending_hit_blocks.pop(request_id, None)
         connector = self.connectors.on_released(request_id) if self.connectors is not None else None
         session_id = self._session_of(request)
         if session_id is not None:
@@ -416,18 +458,48 @@ class EngineTelemetry:
             self.exporter.went_idle()
         # The prefix's frees last: a failure there costs them, not the span nor the idle pass.
         if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
-            self._prefix_freed(request.block_hashes, computed // self.block_size)
+            self._prefix_freed(request.block_hashes, computed // self.layout.unit)
 
     def _prefix_freed(self, hashes: list, count: int) -> None:
-        """A request's cached blocks freed, whose hashes are the first ``count`` of these
-        (vLLM's own list, read now and not kept): to the curve and to where the miss reasons
-        are found, each whatever the other does."""
+        """A request's cached blocks freed, whose units' hashes are the first ``count`` of
+        these (vLLM's own list, read now and not kept): to the curve and to where the miss
+        reasons are found, each whatever the other does."""
+        layout = self.layout
         if count < len(hashes):
             hashes = hashes[:count]
         try:
-            self.reuse.on_freed(hashes)
+            self.reuse.on_freed(hashes if layout.stride == 1 else hashes[layout.stride - 1 :: layout.stride])
         finally:
-            self.misses.freed(hashes)
+            if not layout.hybrid:  # a hybrid model's hits end where its entries say (_entries_freed)
+                self.misses.freed(hashes)
+
+    def _entries_freed(self, blocks: list) -> None:
+        """Before vLLM appends these blocks to its free queue, with their prefixes (a hybrid
+        model's): the entries of the checked groups among them, to the curve and to where
+        the miss reasons are found."""
+        entries = self._entries_of(blocks)
+        if entries:
+            try:
+                self.reuse.on_entries_freed(entries)
+            finally:
+                self.misses.entries_freed(entries)
+
+    def _entries_held(self, entries: list) -> None:
+        """Entries of a hybrid model's checked groups that a lookup found in vLLM's cache (held
+        by running requests): known to where the miss reasons are found as the freed ones are."""
+        if entries:
+            try:
+                self.reuse.on_entries_held(entries)
+            finally:
+                self.misses.entries_freed(entries)
+
+    def on_allocated(self, request: Any) -> None:
+        """After a successful ``allocate_slots`` on a layout whose blocks come and go while a
+        request runs (sliding window, Mamba): the most it has held so far."""
+        held = self.held_blocks(request.request_id)
+        tally = self._tally_of(request)
+        if held > tally[PEAK]:
+            tally[PEAK] = held
 
     # --- chores and readings ---------------------------------------------------------
 

@@ -69,6 +69,7 @@ from itertools import compress, repeat
 from operator import gt
 
 from otel_kvcache.engine.tally import COLD_TOKENS, EVICTED_TOKENS, Tally
+from otel_kvcache.vllm_compat.layouts import PrefixLayout
 
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Pool sizes, as multiples of the real one, that the curve is projected for."""
@@ -93,8 +94,10 @@ def default_sample_rate(pool_blocks: int) -> float:
 
 
 class FreedHistory:
-    """The hashes of the blocks freed lately, in two generations: the current one, and the
-    one before it, dropped when the current one fills up."""
+    """The prefixes freed lately, in two generations: the current one, and the one before
+    it, dropped when the current one fills up. It holds what vLLM gave back to its free
+    queue with a prefix: the units' hashes of a request's blocks, and, on a hybrid model,
+    the entries of the other groups (``layouts.PrefixLayout``)."""
 
     def __init__(self, pool_blocks: int) -> None:
         self._generation = max(1, HISTORY_PER_BLOCK * pool_blocks // 2)
@@ -106,13 +109,37 @@ class FreedHistory:
         if len(self._lately) >= self._generation:
             self._before, self._lately = self._lately, set()
 
-    def remembered(self, missed: list) -> int:
-        """How many of these missed blocks' hashes are remembered: freed lately, so cached
-        once and evicted since."""
+    def evicted(self, missed: list, present: int, layout: PrefixLayout) -> int:
+        """How many of a lookup's missed blocks (its units after the hit, shallowest first)
+        a cache that had kept what it was given would have served: those up to the deepest
+        one vLLM could have resumed at, by what it gave back lately. The first ``present``
+        of them are still in the first full-attention group's cache (``layouts``)."""
         lately, before = self._lately, self._before
-        if lately.isdisjoint(missed) and before.isdisjoint(missed):  # all cold: no set is built
+        if not layout.checked:  # every unit ends a hit: a freed chain is remembered whole
+            if lately.isdisjoint(missed) and before.isdisjoint(missed):  # all cold: no loop
+                return 0
+            for index in range(len(missed) - 1, -1, -1):
+                if missed[index] in lately or missed[index] in before:
+                    return index + 1
             return 0
-        return len(lately.intersection(missed)) + len(before.intersection(missed).difference(lately))
+        for index in range(len(missed) - 1, -1, -1):
+            if self.resumable(missed[index], index < present, layout):
+                return index + 1
+        return 0
+
+    def resumable(self, key: bytes, attention_present: bool, layout: PrefixLayout) -> bool:
+        """Whether a hybrid model's lookup could have ended at the unit with this hash, by
+        what vLLM gave back lately: every checked group's entry there, the first
+        full-attention group's aside where its blocks are in the cache now
+        (``attention_present``)."""
+        lately, before = self._lately, self._before
+        for suffix in layout.checked:
+            if suffix == layout.attention and attention_present:
+                continue
+            entry = key + suffix
+            if entry not in lately and entry not in before:
+                return False
+        return True
 
 
 class MissReasons:
@@ -121,21 +148,26 @@ class MissReasons:
     process builds them, the engine hands it the same calls instead
     (``ExporterProcess.miss_reasons``)."""
 
-    __slots__ = ("_history", "_block_size")
+    __slots__ = ("_history", "_layout")
 
-    def __init__(self, pool_blocks: int, block_size: int) -> None:
+    def __init__(self, pool_blocks: int, layout: PrefixLayout) -> None:
         self._history = FreedHistory(pool_blocks)
-        self._block_size = block_size
+        self._layout = layout
 
     def freed(self, hashes: list) -> None:
-        """A request gave back its blocks, whose hashes these are."""
+        """A request gave back its blocks, whose units' hashes these are."""
         self._history.freed(hashes)
 
-    def missed(self, tally: Tally, keys: list) -> None:
-        """These looked-up blocks of the request missed (``tally.py``'s tally, written here)."""
-        evicted = self._block_size * self._history.remembered(keys)
+    def entries_freed(self, keys: list) -> None:
+        """vLLM gave back blocks holding these entries of the checked groups (hybrid models)."""
+        self._history.freed(keys)
+
+    def missed(self, tally: Tally, keys: list, present: int) -> None:
+        """These looked-up units of the request missed (``tally.py``'s tally, written here)."""
+        unit = self._layout.unit
+        evicted = unit * self._history.evicted(keys, present, self._layout)
         tally[EVICTED_TOKENS] += evicted
-        tally[COLD_TOKENS] += self._block_size * len(keys) - evicted
+        tally[COLD_TOKENS] += unit * len(keys) - evicted
 
 
 class _Stack:
@@ -174,6 +206,14 @@ class _Stack:
         self.size -= 1
         return len(chunk) - within + sum(self._sizes[index + 1 :])
 
+    def count_above(self, place: int) -> int:
+        """How many places in the stack are above (later than) ``place``."""
+        index = bisect_right(self._firsts, place) - 1
+        if index < 0:
+            return self.size
+        chunk = self._chunks[index]
+        return len(chunk) - bisect_right(chunk, place) + sum(self._sizes[index + 1 :])
+
     def keep_shallowest(self, count: int) -> int:
         """Keeps the ``count`` latest places; returns the deepest kept (0 if none)."""
         places = [place for chunk in self._chunks for place in chunk][-count:] if count else []
@@ -182,6 +222,70 @@ class _Stack:
         self._sizes = [len(chunk) for chunk in self._chunks]
         self.size = len(places)
         return places[0] if places else 0
+
+
+_IN_USE = -1
+"""A checkpoint's place while a hit holds it."""
+
+
+class _Checkpoints:
+    """A hybrid model's entries of its checked groups (``layouts.PrefixLayout.checked``) that
+    vLLM gave back to its free queue, by key: where in the free order (``_Stack``'s places),
+    or ``_IN_USE`` once a hit took them back. Not sampled: where a hit can end is few units
+    of a prompt (a Mamba group's checkpoints), and each counts."""
+
+    def __init__(self, layout: PrefixLayout) -> None:
+        self._checked = layout.checked
+        self._attention = layout.attention
+        self._place_of: dict[bytes, int] = {}
+
+    def freed(self, entries: list, place: int) -> None:
+        place_of = self._place_of
+        for key in entries:
+            place_of[key] = place
+
+    def held(self, entries: list) -> None:
+        """Entries a lookup found held by running requests: in use, where not known free."""
+        place_of = self._place_of
+        for key in entries:
+            place_of.setdefault(key, _IN_USE)
+
+    def taken(self, keys: list, hit_blocks: int) -> list:
+        """A hit took the entries at its end back into use, and the attention blocks before:
+        returns those it took from the free queue."""
+        if not hit_blocks:
+            return []
+        place_of, end = self._place_of, keys[hit_blocks - 1]
+        entries = [end + suffix for suffix in self._checked]
+        if self._attention is not None:
+            entries += [key + self._attention for key in keys[: hit_blocks - 1]]
+        taken = [entry for entry in entries if place_of.get(entry, _IN_USE) != _IN_USE]
+        for entry in taken:
+            place_of[entry] = _IN_USE
+        return taken
+
+    def depth(self, key: bytes, stack: _Stack, present: bytes | None = None) -> int | None:
+        """How many sampled blocks were freed after the shallowest entry at this unit, where
+        every checked group's is known (None otherwise), but ``present``'s, in the cache now:
+        0 where all are in use."""
+        deepest = None
+        for suffix in self._checked:
+            if suffix == present:
+                continue
+            place = self._place_of.get(key + suffix)
+            if place is None:
+                return None
+            if place != _IN_USE and (deepest is None or place < deepest):
+                deepest = place
+        return 0 if deepest is None else stack.count_above(deepest)
+
+    def forget_deeper_than(self, place: int, most_in_use: int) -> None:
+        """Drops the entries freed before ``place`` (deeper than any scale holds), and those
+        in use if more than ``most_in_use`` are (requests gone unreleased)."""
+        kept = {key: at for key, at in self._place_of.items() if at >= place or at == _IN_USE}
+        if sum(at == _IN_USE for at in kept.values()) > most_in_use:
+            kept = {key: at for key, at in kept.items() if at != _IN_USE}
+        self._place_of = kept
 
 
 class _Window:
@@ -210,9 +314,9 @@ class _Window:
 
 # The kinds of the events waiting for the curve: objects no field or hash can be, so that an
 # event whose hashes never came (an exception between its two calls) is found.
-_LOOKUP, _FREED, _DEMAND, _RESET = (object() for _ in range(4))
+_LOOKUP, _FREED, _ENTRIES, _HELD, _DEMAND, _RESET = (object() for _ in range(6))
 
-_KINDS = (_LOOKUP, _FREED, _DEMAND, _RESET)
+_KINDS = (_LOOKUP, _FREED, _ENTRIES, _HELD, _DEMAND, _RESET)
 
 
 def _next_event(events: list, at: int, written: int) -> int:
@@ -245,9 +349,12 @@ os.register_at_fork(after_in_child=_unlock_in_a_forked_child)
 class PrefixReuse:
     """One engine's history of freed prefix blocks: miss reasons and the what-if curve."""
 
-    def __init__(self, pool_blocks: int, sample_rate: float) -> None:
+    def __init__(self, pool_blocks: int, sample_rate: float, layout: PrefixLayout | None = None) -> None:
         self.pool_blocks = pool_blocks
         self.sample_rate = sample_rate
+        self.layout = layout or PrefixLayout(unit=1)
+        """Where a hit can end (``layouts.py``): the curve of a hybrid model follows where
+        vLLM could resume (``_Checkpoints``)."""
         # A block is sampled when its hash (vLLM's, uniform bytes) sorts below this.
         bound = int(sample_rate * (1 << 64))
         self._threshold = bound.to_bytes(8, "big") if bound < 1 << 64 else None  # None: every block
@@ -262,6 +369,7 @@ class PrefixReuse:
         """Sampled blocks in use: how many requests hold each (a block joins the queue when
         its last holder lets go)."""
         self._depth_limit = int(max(SCALES) * pool_blocks * sample_rate) + 1
+        self._checkpoints = _Checkpoints(self.layout) if self.layout.hybrid else None
         self._window = _Window()
         self._curve_events: list = []
         """What vLLM did that the curve has yet to take in, in order (``catch_up``): each
@@ -280,20 +388,36 @@ class PrefixReuse:
     # --- what vLLM did (on the engine thread) ------------------------------------------
 
     def on_freed(self, hashes: list) -> None:
-        """A request gave back its blocks, whose hashes these are, shallowest first (read
+        """A request gave back its blocks, whose hashes these are (its units' at the first
+        full-attention group's block ends: ``PrefixLayout.stride``), shallowest first (read
         now and not kept: vLLM frees the deepest first, and the curve takes them in in
         that order): cached now, or still in use by another."""
         events = self._curve_events
         events.extend((_FREED, len(hashes)))  # the hashes apart: see catch_up
         events.extend(hashes)
 
-    def on_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
-                  used_blocks: int, now: float) -> None:  # fmt: skip
-        """A counted prefix lookup of a request whose blocks that could hit have these
-        hashes (``vllm_compat.lookup_keys_reader``, a list of its own); the first ``hit_blocks``
-        did. The looked-up blocks are in use from now on."""
+    def on_entries_freed(self, keys: list) -> None:
+        """vLLM gave back blocks holding these entries of a hybrid model's checked groups
+        (``layouts.entries_reader``), cached in its free queue from now on."""
         events = self._curve_events
-        events.extend((_LOOKUP, hit_blocks, block_size, queried_tokens, used_blocks, now, len(keys)))
+        events.extend((_ENTRIES, len(keys)))
+        events.extend(keys)
+
+    def on_entries_held(self, keys: list) -> None:
+        """A lookup found these entries of a hybrid model's checked groups in vLLM's cache,
+        held by running requests (``layouts.cached_entries_reader``)."""
+        events = self._curve_events
+        events.extend((_HELD, len(keys)))
+        events.extend(keys)
+
+    def on_lookup(self, keys: list, hit_blocks: int, unit: int, queried_tokens: int,
+                  used_blocks: int, now: float, present: int = 0) -> None:  # fmt: skip
+        """A counted prefix lookup of a request whose units that could hit have these
+        hashes (``vllm_compat.lookup_keys_reader``, a list of its own); the first ``hit_blocks``
+        did, and the ``present`` after them are in the full-attention group's cache
+        (``layouts.attention_reach_reader``). The looked-up blocks are in use from now on."""
+        events = self._curve_events
+        events.extend((_LOOKUP, hit_blocks, unit, queried_tokens, used_blocks, now, present, len(keys)))
         events.extend(keys)
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
@@ -337,12 +461,12 @@ class PrefixReuse:
                 while at < end:
                     kind = events[at]
                     if kind is _LOOKUP:
-                        hit_blocks, block_size, queried_tokens, used_blocks, now, count = events[at + 1 : at + 7]
-                        if at + 7 + count > written:
+                        hit_blocks, unit, queried_tokens, used_blocks, now, present, count = events[at + 1 : at + 8]
+                        if at + 8 + count > written:
                             break
-                        keys = events[at + 7 : at + 7 + count]
-                        at += 7 + count
-                        self._curve_lookup(keys, hit_blocks, block_size, queried_tokens, used_blocks, now)
+                        keys = events[at + 8 : at + 8 + count]
+                        at += 8 + count
+                        self._curve_lookup(keys, hit_blocks, unit, queried_tokens, used_blocks, now, present)
                     elif kind is _FREED:
                         count = events[at + 1]
                         if at + 2 + count > written:
@@ -351,6 +475,13 @@ class PrefixReuse:
                         at += 2 + count
                         hashes.reverse()  # in the order vLLM freed them: deepest first
                         self._curve_freed(hashes)
+                    elif kind is _ENTRIES or kind is _HELD:
+                        count = events[at + 1]
+                        if at + 2 + count > written:
+                            break
+                        entries = events[at + 2 : at + 2 + count]
+                        at += 2 + count
+                        (self._curve_entries_freed if kind is _ENTRIES else self._curve_entries_held)(entries)
                     elif kind is _DEMAND:
                         demand, now = events[at + 1 : at + 3]
                         at += 3
@@ -370,19 +501,38 @@ class PrefixReuse:
             self._catching_up.release()
 
     def _curve_freed(self, hashes: list) -> None:
-        self._history.freed(hashes)
+        if not self.layout.hybrid:  # where its units are where hits end (``layouts.py``)
+            self._history.freed(hashes)
         holders = self._holders
         for key in self._sampled(hashes):
             held_by = holders.pop(key, 1) - 1
             if held_by:  # another request still holds it: not in the free queue yet
                 holders[key] = held_by
                 continue
-            self._take(key)
-            self._place_of[key] = self._next_place
-            self._stack.push(self._next_place)
-            self._next_place += 1
+            self._push(key)
         if self._stack.size > 2 * self._depth_limit:
             self._drop_deepest()
+
+    def _push(self, key: bytes) -> None:
+        """A sampled block joins the free queue's back (leaving its earlier place, if any)."""
+        self._take(key)
+        self._place_of[key] = self._next_place
+        self._stack.push(self._next_place)
+        self._next_place += 1
+
+    def _curve_entries_freed(self, entries: list) -> None:
+        self._history.freed(entries)
+        self._checkpoints.freed(entries, self._next_place)
+        attention = self.layout.attention
+        for key in self._sampled(entries):  # blocks of the pool too, freed when no one holds them
+            if attention is None or not key.endswith(attention):  # those the units stand for (_curve_freed)
+                self._push(key)
+        if self._stack.size > 2 * self._depth_limit:
+            self._drop_deepest()
+
+    def _curve_entries_held(self, entries: list) -> None:
+        self._history.freed(entries)
+        self._checkpoints.held(entries)
 
     def _sampled(self, hashes: list) -> Iterable:
         """The sampled ones among ``hashes``, picked in C."""
@@ -390,22 +540,76 @@ class PrefixReuse:
             return hashes
         return compress(hashes, map(gt, repeat(self._threshold), hashes))
 
-    def _curve_lookup(self, keys: list, hit_blocks: int, block_size: int, queried_tokens: int,
-                      used_blocks: int, now: float) -> None:  # fmt: skip
+    def _curve_lookup(self, keys: list, hit_blocks: int, unit: int, queried_tokens: int,
+                      used_blocks: int, now: float, present: int) -> None:  # fmt: skip
         missed = keys[hit_blocks:]
-        evicted = block_size * self._history.remembered(missed)
+        evicted = unit * self._history.evicted(missed, present, self.layout)
         self.evicted_tokens += evicted
-        self.cold_tokens += block_size * len(missed) - evicted
-        self.uncacheable_tokens += queried_tokens - block_size * len(keys)
+        self.cold_tokens += unit * len(missed) - evicted
+        self.uncacheable_tokens += queried_tokens - unit * len(keys)
         sums = self._window.bucket(now)
         sums[_LOOKED_UP] += queried_tokens
-        sums[_HIT] += block_size * hit_blocks
-        weight = block_size / self.sample_rate
+        sums[_HIT] += unit * hit_blocks
+        stride = self.layout.stride
+        weight = unit * stride / self.sample_rate
+        checkpoints = self._checkpoints
+        if checkpoints is not None:  # where vLLM could resume, before this hit takes its end into use
+            self._project_resumption(keys, hit_blocks, present, used_blocks, sums)
+            for entry in checkpoints.taken(keys, hit_blocks):
+                self._take(entry)
+        ends = keys if stride == 1 else keys[stride - 1 :: stride]  # the units that end a block
+        split = hit_blocks // stride
         holders = self._holders
-        for hit, blocks in ((True, keys[:hit_blocks]), (False, missed)):
+        for hit, blocks in ((True, ends[:split]), (False, ends[split:])):
             for key in self._sampled(blocks):
-                self._project(self._take(key), hit, used_blocks, sums, weight)
+                depth = self._take(key)
+                if checkpoints is None:
+                    self._project(depth, hit, used_blocks, sums, weight)
                 holders[key] = holders.get(key, 0) + 1
+
+    def _project_resumption(self, keys: list, hit_blocks: int, present: int, used_blocks: int,
+                            sums: array) -> None:  # fmt: skip
+        """A hybrid model's lookup at each scale: its hit ends at the deepest unit where vLLM
+        could resume whose checked entries a pool that large would still hold (their depth:
+        the sampled blocks freed after the shallowest of them). Beyond vLLM's hit, where it
+        gave them all back, as deep as the curve reaches; a smaller pool's hit ends short of
+        vLLM's where the entries at its end would have gone. Counted for every lookup, in tokens:
+        where a hit can end is no block's own property, so sampling blocks says nothing of it."""
+        checkpoints, attention = self._checkpoints, self.layout.attention
+        larger = [at for at, scale in enumerate(SCALES) if scale > 1.0]
+        smaller = [at for at, scale in enumerate(SCALES) if scale < 1.0]
+        reach = [hit_blocks] * len(SCALES)
+
+        def fitting(at: int, depth: int) -> bool:
+            return depth / self.sample_rate + used_blocks < SCALES[at] * self.pool_blocks
+
+        # Beyond the hit: the deepest unit vLLM could have resumed at whose entries still fit.
+        for index in range(len(keys) - 1, hit_blocks - 1, -1):
+            if not larger:
+                break
+            depth = checkpoints.depth(keys[index], self._stack, attention if index - hit_blocks < present else None)
+            if depth is not None:
+                for at in [at for at in larger if fitting(at, depth)]:
+                    reach[at] = index + 1
+                    larger.remove(at)
+        # Within it: where the entries at its end would have gone, the deepest that stayed.
+        if hit_blocks:
+            end = checkpoints.depth(keys[hit_blocks - 1], self._stack)
+            lost = [at for at in smaller if end is not None and not fitting(at, end)]
+            for at in lost:
+                reach[at] = 0
+            for index in range(hit_blocks - 2, -1, -1):
+                if not lost:
+                    break
+                depth = checkpoints.depth(keys[index], self._stack)
+                if depth is not None:
+                    for at in [at for at in lost if fitting(at, depth)]:
+                        reach[at] = index + 1
+                        lost.remove(at)
+        unit = self.layout.unit
+        for at in range(len(SCALES)):
+            if reach[at] != hit_blocks:
+                sums[_GAIN + at] += unit * (reach[at] - hit_blocks)
 
     def _project(self, depth: int | None, hit: bool, used_blocks: int, sums: array, weight: float) -> None:
         """One sampled block's gain or loss at each scale against vLLM's outcome.
@@ -429,6 +633,8 @@ class PrefixReuse:
     def _curve_reset(self) -> None:
         self._stack = _Stack()
         self._place_of.clear()
+        if self._checkpoints is not None:
+            self._checkpoints = _Checkpoints(self.layout)
 
     # --- readings -----------------------------------------------------------------
 
@@ -470,3 +676,5 @@ class PrefixReuse:
         if len(self._holders) > self._depth_limit:  # more than the pool holds: requests gone unreleased
             self._holders.clear()
         self._place_of = {key: place for key, place in self._place_of.items() if place >= deepest_kept}
+        if self._checkpoints is not None:
+            self._checkpoints.forget_deeper_than(deepest_kept, self._depth_limit)

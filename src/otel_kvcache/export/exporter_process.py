@@ -85,10 +85,11 @@ from itertools import count as serial_numbers, repeat
 from typing import Any, Iterator, NamedTuple
 
 from otel_kvcache import names
-from otel_kvcache.engine.tally import BLOCK_SIZE, COLD_TOKENS, LOOKUP_SERIAL, Tally
+from otel_kvcache.engine.tally import COLD_TOKENS, LOOKUP_SERIAL, Tally
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.drain import shared_lock
 from otel_kvcache.export.spans import Finding, RequestEnded
+from otel_kvcache.vllm_compat.layouts import PrefixLayout
 from otel_kvcache.wiring.resource import PROCESS_ENVIRONMENT_VARIABLE
 
 _logger = logging.getLogger(__name__)
@@ -133,15 +134,20 @@ os._exit(0)
 """
 
 
-FREED, MISSED = -1, -2
+FREED, MISSED, ENTRIES = -1, -2, -3
 """The kinds of the prefix events: ``FREED, count, *hashes`` (a request gave back its
-blocks) and ``MISSED, lookup serial, count, *keys`` (a lookup's blocks that missed)."""
+blocks, whose units' hashes these are), ``MISSED, lookup serial, present, count, *keys``
+(a lookup's units that missed, the first ``present`` of them with their attention blocks
+in the cache) and ``ENTRIES, count, *keys`` (a hybrid model's checked groups' entries
+that reached the free queue: ``layouts.PrefixLayout``)."""
 
 
 class PrefixEvents(NamedTuple):
     """A frame's prefix events, as the helper reads them (``miss_reasons.py``)."""
 
     pool_blocks: int
+    layout: tuple
+    """The engine's ``PrefixLayout``'s fields."""
     events: list
 
 
@@ -150,29 +156,37 @@ class _HandedOverMisses:
     and finds each request's reasons (``miss_reasons.py``). A request's missed lookups are
     known there by its lookup serial, which its tally carries."""
 
-    __slots__ = ("events", "_serials")
+    __slots__ = ("events", "_serials", "unit")
 
     def __init__(self, events: list) -> None:
+        self.unit = 1
+        """Tokens per prefix hash (``PrefixLayout.unit``), set with the engine's layout."""
         self.events = events
         """The prefix events since the last hand-over (``ExporterProcess`` takes the list)."""
         self._serials = serial_numbers(1)
 
     def freed(self, hashes: list) -> None:
-        """A request gave back its blocks, whose hashes these are (perhaps vLLM's own list:
-        copied now, as it grows again when a preempted request resumes)."""
+        """A request gave back its blocks, whose units' hashes these are (perhaps vLLM's own
+        list: copied now, as it grows again when a preempted request resumes)."""
         events = self.events
         events.extend((FREED, len(hashes)))
         events.extend(hashes)
 
-    def missed(self, tally: Tally, keys: list) -> None:
-        """These looked-up blocks of the request missed: cold, until the helper finds
+    def entries_freed(self, keys: list) -> None:
+        """vLLM gave back blocks holding these entries of a hybrid model's checked groups."""
+        events = self.events
+        events.extend((ENTRIES, len(keys)))
+        events.extend(keys)
+
+    def missed(self, tally: Tally, keys: list, present: int) -> None:
+        """These looked-up units of the request missed: cold, until the helper finds
         which of them it remembers (a helper that never saw the lookup leaves them so)."""
-        tally[COLD_TOKENS] += tally[BLOCK_SIZE] * len(keys)
+        tally[COLD_TOKENS] += self.unit * len(keys)
         serial = tally[LOOKUP_SERIAL]
         if not serial:
             serial = tally[LOOKUP_SERIAL] = next(self._serials)
         events = self.events
-        events.extend((MISSED, serial, len(keys)))
+        events.extend((MISSED, serial, present, len(keys)))
         events.extend(keys)
 
 
@@ -214,6 +228,7 @@ class ExporterProcess:
         self._findings: list[tuple] = []
         self._misses = _HandedOverMisses([])
         self._pool_blocks = 0
+        self._layout = PrefixLayout(unit=1)
         self._queued: collections.deque[tuple[list, list, list]] = collections.deque()
         """What the engine thread handed over, as lists it no longer touches: records' fields,
         findings, prefix events. For the pipe's thread to marshal."""
@@ -340,10 +355,11 @@ class ExporterProcess:
 
     # --- the hand-over -----------------------------------------------------------
 
-    def miss_reasons(self, pool_blocks: int, block_size: int) -> _HandedOverMisses:
+    def miss_reasons(self, pool_blocks: int, layout: PrefixLayout) -> _HandedOverMisses:
         """Where the engine's requests' miss reasons are found: in the helper (its one
         engine's pool of ``pool_blocks`` sizes the history there)."""
-        self._pool_blocks = pool_blocks
+        self._pool_blocks, self._layout = pool_blocks, layout
+        self._misses.unit = layout.unit
         return self._misses
 
     def finding(self, finding: Finding) -> None:
@@ -461,7 +477,7 @@ class ExporterProcess:
         frame = []
         if prefix_events:  # first: a request's lookups come before its release
             try:
-                events = PrefixEvents(self._pool_blocks, prefix_events)._asdict()
+                events = PrefixEvents(self._pool_blocks, tuple(self._layout), prefix_events)._asdict()
                 frame.append(marshal.dumps(events, MARSHAL_VERSION))
             except ValueError as exc:  # a block hash marshal cannot write: a vLLM we do not know
                 self.errors.count(HOOK, exc)

@@ -28,10 +28,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from otel_kvcache.engine.tally import BLOCK_SIZE, COLD_TOKENS, EVICTED_TOKENS, LOOKUP_SERIAL, PACKED
+from otel_kvcache.engine.tally import COLD_TOKENS, EVICTED_TOKENS, LOOKUP_SERIAL, PACKED
 from otel_kvcache.engine.whatif import FreedHistory
-from otel_kvcache.export.exporter_process import FREED, MISSED, PrefixEvents
+from otel_kvcache.export.exporter_process import ENTRIES, FREED, MISSED, PrefixEvents
 from otel_kvcache.export.spans import RequestEnded
+from otel_kvcache.vllm_compat.layouts import PrefixLayout
 
 _logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class MissReasonsFromTheEngine:
 
     def __init__(self) -> None:
         self._history: FreedHistory | None = None
+        self._layout = PrefixLayout(unit=1)
         self._awaited: OrderedDict[int, int] = OrderedDict()
-        """Lookup serial -> the request's missed blocks the history remembered."""
+        """Lookup serial -> the request's missed units the history found evicted."""
         self._told_lost = False
 
     def took(self, item: RequestEnded | PrefixEvents | object) -> bool:
@@ -57,6 +59,7 @@ class MissReasonsFromTheEngine:
             return False
         if self._history is None:
             self._history = FreedHistory(item.pool_blocks)
+            self._layout = PrefixLayout(*item.layout)
         try:
             self._take(item.events)
         except Exception:  # noqa: BLE001 - the records must still go out
@@ -64,11 +67,11 @@ class MissReasonsFromTheEngine:
         return True
 
     def _take(self, events: list) -> None:
-        history, awaited = self._history, self._awaited
+        history, awaited, layout = self._history, self._awaited, self._layout
         at, end = 0, len(events)
         while at < end:
             kind = events[at]
-            if kind == FREED and type(kind) is int:
+            if kind in (FREED, ENTRIES) and type(kind) is int:
                 count = events[at + 1]
                 hashes = events[at + 2 : at + 2 + count]
                 if _all_hashes(hashes, count):
@@ -76,13 +79,13 @@ class MissReasonsFromTheEngine:
                     at += 2 + count
                     continue
             elif kind == MISSED and type(kind) is int:
-                serial, count = events[at + 1 : at + 3]
-                keys = events[at + 3 : at + 3 + count]
+                serial, present, count = events[at + 1 : at + 4]
+                keys = events[at + 4 : at + 4 + count]
                 if _all_hashes(keys, count):
                     if serial not in awaited and len(awaited) >= MOST_AWAITED:
                         awaited.popitem(last=False)
-                    awaited[serial] = awaited.get(serial, 0) + history.remembered(keys)
-                    at += 3 + count
+                    awaited[serial] = awaited.get(serial, 0) + history.evicted(keys, present, layout)
+                    at += 4 + count
                     continue
             # An event's hashes never came (the engine's call failed between its two
             # halves): the reading goes on at the next event (a kind is no count, serial
@@ -100,8 +103,8 @@ class MissReasonsFromTheEngine:
         if not remembered:
             return record
         counts = list(counts)
-        counts[EVICTED_TOKENS] += counts[BLOCK_SIZE] * remembered
-        counts[COLD_TOKENS] -= counts[BLOCK_SIZE] * remembered
+        counts[EVICTED_TOKENS] += self._layout.unit * remembered
+        counts[COLD_TOKENS] -= self._layout.unit * remembered
         return record._replace(tally=PACKED.pack(*counts))
 
 
@@ -109,7 +112,7 @@ def _next_event(events: list, at: int) -> int:
     """Where the first event after ``at`` begins (the end if none does)."""
     for index in range(at + 1, len(events)):
         entry = events[index]
-        if type(entry) is int and entry in (FREED, MISSED):
+        if type(entry) is int and entry in (FREED, MISSED, ENTRIES):
             return index
     return len(events)
 

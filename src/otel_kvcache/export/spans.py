@@ -38,6 +38,7 @@ from otel_kvcache import config, names
 from otel_kvcache.engine import tally
 from otel_kvcache.engine.connectors import ConnectorSummary
 from otel_kvcache.engine.whatif import MissReasons
+from otel_kvcache.vllm_compat.layouts import PrefixLayout
 from otel_kvcache.wiring.propagation import baggage_entries, remote_span_context
 
 _findings_logger = logging.getLogger("otel_kvcache.findings")
@@ -312,10 +313,10 @@ class RequestExporter:
         self.baggage_keys = tuple(config.baggage_keys())
         self.value_limit = config.client_value_length_limit()
 
-    def miss_reasons(self, pool_blocks: int, block_size: int) -> MissReasons:
+    def miss_reasons(self, pool_blocks: int, layout: PrefixLayout) -> MissReasons:
         """Where an engine's requests' miss reasons are found: on its engine thread, the
         spans being built there."""
-        return MissReasons(pool_blocks, block_size)
+        return MissReasons(pool_blocks, layout)
 
     def request_ended(self, ended: RequestEnded | tuple) -> None:
         """A finished request, as ``RequestEnded``'s fields (the engine hands a plain tuple)."""

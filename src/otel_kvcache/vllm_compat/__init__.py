@@ -186,6 +186,14 @@ CONNECTOR_HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(CONNECTOR_MODULE, "SupportsHMA", "request_finished_all_groups", "connector_finished"),
 )
 
+LAYOUT_HOOK_POINTS: tuple[HookPoint, ...] = (
+    # Patched on the KV manager of an engine with a group whose blocks a running request
+    # gives back (sliding window, Mamba: ``may_hold_null_blocks``), as the engine starts:
+    # such a request holds the most blocks right after an allocation (a Mamba group two
+    # state blocks while it crosses a block boundary), not when it is preempted or ends.
+    HookPoint(KV_CACHE_MANAGER_MODULE, "KVCacheManager", "allocate_slots", "allocated"),
+)
+
 CORE_ROLES = {
     "scheduler_init": "the engine's telemetry is built beside the scheduler vLLM just built",
     "scheduled": "the step: admissions, the pool's settling and the hand-over of finished spans run there",
@@ -215,6 +223,7 @@ FEEDS = {
     "finished": "blocks a KV connector holds for finished requests",
     "connector_allocated": "KV connector hit tokens, the request's role, its wait for remote KV",
     "connector_finished": "the link from a consumer's span to its producer's",
+    "allocated": "the span's peak blocks where blocks come and go while a request runs (sliding window, Mamba)",
 }
 """What each role's hook point records: switched off where it is missing."""
 
@@ -232,6 +241,7 @@ PARAMETERS = {
     "finished": ("request",),
     "connector_allocated": ("request", "blocks", "num_external_tokens"),
     "connector_finished": ("request",),
+    "allocated": ("request",),
 }
 """The leading parameters after the instance that a role's wrapper reads, as verified."""
 

@@ -111,6 +111,18 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("session_id", REQUEST, "Request", "session_id", "assigned", "session.id and the sessions' turn gaps"),
     Internal("priority", REQUEST, "Request", "priority", "assigned", "vllm.request.priority"),
     Internal("lora_request", REQUEST, "Request", "lora_request", "assigned", "a LoRA adapter's name as the model"),
+    # Where a prefix hit can end on a model of several KV cache groups (layouts.py).
+    Internal("hash_block_size", SCHEDULER, "Scheduler", "hash_block_size", "assigned",
+             "prefix numbers in vLLM's own unit where it hashes finer than it schedules",
+             fallback=Internal("block_size", SCHEDULER, "Scheduler", "block_size", "assigned",
+                               "prefix numbers in vLLM's own unit where it hashes finer than it schedules")),
+    Internal("shared_prefix_boundary", REQUEST, "Request", "shared_prefix_boundary", "assigned",
+             "a hybrid model's misses whose attention blocks were in use, as evicted (cold without it)"),
+    Internal("cached_block_hashes_by_block", POOL, "BlockPool", "cached_block_hashes_by_block", "assigned",
+             "a hybrid model's hits that end inside a block, as evicted misses (cold without it)"),
+    Internal("cached_block_hash_to_block", POOL, "BlockPool", "cached_block_hash_to_block", "assigned",
+             "a hybrid model's misses where running requests held the other groups' entries, as evicted "
+             "(cold without it)"),
 )  # fmt: skip
 
 

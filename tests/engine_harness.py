@@ -414,11 +414,11 @@ class PrefixCacheTruth:
             self._bound = (max_cache_hit_length // self.unit, hit)
             return find(block_hashes, max_cache_hit_length, *args, **kwargs)
 
-        def looking_up(request):
+        def looking_up(request, *args, **kwargs):  # 0.33 on: and a bound on the hit
             self._bound = None
             manager.coordinator.find_longest_cache_hit = finding
             try:
-                result = computed(request)
+                result = computed(request, *args, **kwargs)
             finally:
                 del manager.coordinator.find_longest_cache_hit
             if self._bound is not None:

@@ -24,8 +24,8 @@ from otel_kvcache.engine import whatif
 
 POOL_BLOCKS = {None: 200, "sliding-window": 200, "mamba": 100, "mamba-finer-attention": 300, "prefix-match-unit": 100}
 """Pools that evict and preempt under the stream on each layout."""
-CURVE_POOL_BLOCKS = 600
-"""The pool the curve is projected from: its size matters to the stream from half to four times."""
+CURVE_POOL_BLOCKS = {"mamba-finer-attention": 600, "prefix-match-unit": 300}
+"""Pools the curve is projected from, whose size matters to the stream from half to four times."""
 TOLERANCE = 0.05
 CHECKED_SCALES = (0.5, 2.0, 4.0)
 
@@ -82,14 +82,15 @@ def test_every_prefix_number_is_vllms_own(model_config, telemetry, monkeypatch, 
     assert telemetry.blocks_by_state() == engine.pool_scan()
 
 
-@pytest.mark.parametrize("layout", ["mamba-finer-attention", "prefix-match-unit"])
-def test_the_curve_projects_what_vllm_hits_with_pools_of_other_sizes(model_config, make_engine, telemetry, layout):
+@pytest.mark.parametrize("layout", sorted(CURVE_POOL_BLOCKS))
+def test_the_curve_projects_what_vllm_hits_with_pools_of_other_sizes(model_config, telemetry, layout):
     """As on one group (``test_whatif.py``), from pools of other sizes replaying the stream
     uninstrumented, each in a process of its own."""
-    sizes = [(int(scale * CURVE_POOL_BLOCKS), layout) for scale in CHECKED_SCALES]
+    blocks = CURVE_POOL_BLOCKS[layout]
+    sizes = [(int(scale * blocks), layout) for scale in CHECKED_SCALES]
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         measured = pool.starmap_async(prefix_stream.measured_hybrid_hit_ratio, sizes)
-        _replayed(model_config, layout, CURVE_POOL_BLOCKS)
+        _replayed(model_config, layout, blocks)
         measured = dict(zip(CHECKED_SCALES, measured.get(timeout=900)))
     projected = {p.attributes[names.POOL_SCALE]: p.value for p in telemetry.points(names.PROJECTED_HIT_RATIO)}
     assert measured[4.0] - measured[0.5] > 0.3, "the stream must make the pool's size matter"

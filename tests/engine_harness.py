@@ -260,9 +260,10 @@ def break_free_for(monkeypatch, engine, victim: str, orphan: bool) -> list:
     return lost
 
 
-def busy_run_decisions(model_config) -> tuple:
-    """A preempting, prefix-sharing, aborting run; returns everything vLLM decided."""
-    engine = EngineHarness(make_scheduler(model_config, num_blocks=24))
+def busy_run_decisions(model_config, layout=None) -> tuple:
+    """A preempting, prefix-sharing, aborting run (on ``layout``'s groups, a
+    ``harness.scheduler.KVLayout``, or one); returns everything vLLM decided."""
+    engine = EngineHarness(make_scheduler(model_config, num_blocks=24, layout=layout))
     requests = [
         engine.add(engine.make_request(f"req-{i}", prompt_len=40 + 8 * i, shared_prefix=32, max_tokens=60))
         for i in range(6)

@@ -71,6 +71,31 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
     assert len(logged) == len(hooks)  # ...logged once per kind
 
 
+def test_a_hybrid_models_decisions_are_identical_and_our_failures_counted(model_config, monkeypatch):
+    """Attention beside a Mamba group: the layout's own hooks (the allocation the peak is
+    read after, the checkpoints read as blocks reach the free queue, those running
+    requests hold) fail, and vLLM decides as it does uninstrumented."""
+    from harness.scheduler import LAYOUTS
+
+    layout = LAYOUTS["mamba-finer-attention"]
+    baseline = busy_run_decisions(model_config, layout)
+    telemetry = Telemetry()
+    instrumentor = _instrumented(telemetry)
+    try:
+        assert busy_run_decisions(model_config, layout) == baseline
+        assert telemetry.total(names.INSTRUMENTATION_ERRORS) == 0
+        instrumentor.uninstrument()
+        for method in ("on_allocated", "_entries_freed", "_entries_held"):
+            monkeypatch.setattr(EngineTelemetry, method, _fail)
+        instrumentor = _instrumented(telemetry)
+        failing = busy_run_decisions(model_config, layout)
+    finally:
+        instrumentor.uninstrument()
+    assert failing == baseline
+    hooks = {p.attributes[names.HOOK] for p in telemetry.points(names.INSTRUMENTATION_ERRORS)}
+    assert {"KVCacheManager.allocate_slots", "FreeKVCacheBlockQueue.append_n"} <= hooks
+
+
 def test_vllm_exceptions_pass_through_unchanged(model_config, telemetry):
     engine = EngineHarness(make_scheduler(model_config, num_blocks=24))
     request = engine.add(engine.make_request("r", prompt_len=20))

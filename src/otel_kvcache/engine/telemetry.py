@@ -106,6 +106,9 @@ if TYPE_CHECKING:
 
 PACKING = "tally_packing"
 """What a released tally that did not fit ``PACKED`` is counted as (``InstrumentationErrors``)."""
+HELD_ENTRIES = "held_prefix_entries"
+"""What a failure to read the prefix entries running requests hold, at a hybrid model's
+lookup, is counted as (its misses then lean cold)."""
 
 
 class EngineTelemetry:
@@ -284,7 +287,10 @@ class EngineTelemetry:
             # other groups' entries there that running requests hold.
             present = 0 if self._attention_reach is None else max(self._attention_reach(request) // unit - hit_blocks, 0)
             if present and self._cached_entries is not None:
-                self._entries_held(self._cached_entries(request.request_id, keys[hit_blocks : hit_blocks + present]))
+                try:
+                    self._entries_held(self._cached_entries(request.request_id, keys[hit_blocks : hit_blocks + present]))
+                except Exception as exc:  # noqa: BLE001 - ours: the lookup's own events still go
+                    self.errors.count(HELD_ENTRIES, exc)
             try:  # each whatever the other does (a try costs nothing until it catches)
                 self.reuse.on_lookup(keys, hit_blocks, unit, queried, used, time.monotonic(), present)
             finally:

@@ -40,6 +40,18 @@ does not model: preemptions a smaller pool would add (their recomputation
 misses), a bigger pool admitting more requests at once (their blocks would
 take more room), and a hit stopping at the first missing block of a chain.
 
+**Hybrid models** (``vllm_compat.layouts``). Everything is counted in vLLM's hash unit
+(``hash_block_size``), which on a model of several KV cache groups can be finer than its
+block size, and a hit ends only where every group holds the prefix: a Mamba group's
+checkpoints, a sliding window's last blocks. There the history holds the entries of
+those groups that vLLM gave back to its free queue (and those a lookup found running
+requests holding), and a missed unit is ``evicted`` up to the deepest one vLLM could
+have resumed at by them. The curve follows each lookup to the deepest such checkpoint
+whose entries a pool ``scale`` times as large would still hold (``_Checkpoints``: their
+places in the free order, unsampled, few per prompt), in tokens, for every lookup; the
+sampled blocks (the first full-attention group's, and the checked groups') measure
+the depth.
+
 Costs. On the engine thread, per lookup, release and step, an event's fields
 and its blocks' hashes appended to one flat list (and, where spans are built in
 the engine's process, ``MissReasons``' set operations per freed or missed block). The curve's own work waits in that list

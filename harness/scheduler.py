@@ -126,16 +126,14 @@ def make_scheduler(
     speculative_tokens: int = 0,
     **scheduler_options,
 ) -> Scheduler:
-    """A real Scheduler on one full-attention KV group, or on ``layout``'s groups;
-    ``kv_cache_metrics_sample`` turns on vLLM's own ``--kv-cache-metrics`` at that sample
-    rate, ``kv_transfer_config`` gives it a KV connector (its scheduler side: NIXL's needs
-    no NIXL library), ``speculative_tokens`` n-gram speculative decoding with that many
-    draft tokens a step; other keywords go to its ``SchedulerConfig``
-    (``max_num_inflight_kv_loads``, from 0.34)."""
-    if layout is not None:
-        return _make_hybrid_scheduler(
-            model_config, num_blocks, layout, max_num_seqs, max_num_batched_tokens, log_stats, speculative_tokens
-        )
+    """A real Scheduler on one full-attention KV group of ``block_size``, or on ``layout``'s
+    groups, its block sizes resolved as vLLM's EngineCore resolves them
+    (``resolve_kv_cache_block_sizes``: the scheduler's block size, and the
+    ``hash_block_size`` its requests' prefixes are hashed at); ``kv_cache_metrics_sample``
+    turns on vLLM's own ``--kv-cache-metrics`` at that sample rate, ``kv_transfer_config``
+    gives it a KV connector (its scheduler side: NIXL's needs no NIXL library),
+    ``speculative_tokens`` n-gram speculative decoding with that many draft tokens a step;
+    other keywords go to its ``SchedulerConfig`` (``max_num_inflight_kv_loads``, from 0.34)."""
     observability = (
         ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=kv_cache_metrics_sample)
         if kv_cache_metrics_sample
@@ -151,7 +149,7 @@ def make_scheduler(
                 is_encoder_decoder=False,
                 **scheduler_options,
             ),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+            cache_config=_cache_config(block_size, enable_prefix_caching, layout),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
             observability_config=observability,
             kv_transfer_config=kv_transfer_config,
@@ -159,10 +157,42 @@ def make_scheduler(
         )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     vllm_config.parallel_config.data_parallel_index = data_parallel_rank
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    if layout is None:
+        kv_cache_config = _one_group(num_blocks, block_size)
+        block_size = hash_block_size = block_size
+    else:
+        kv_cache_config = _groups(num_blocks, layout, speculative_tokens)
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        log_stats=log_stats,
+    )
+
+
+def _cache_config(block_size: int, enable_prefix_caching: bool, layout: KVLayout | None) -> CacheConfig:
+    """One group's, or a hybrid model's as vLLM's ``MambaModelConfig`` leaves it: "align"
+    mode, its block size the Mamba group's."""
+    if layout is None:
+        return CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    mamba = [size for kind, size in layout.groups if kind == "mamba"]
+    return CacheConfig(
+        block_size=mamba[0] if mamba else layout.groups[0][1],
+        enable_prefix_caching=enable_prefix_caching,
+        mamba_cache_mode="align" if mamba else "none",
+        mamba_block_size=mamba[0] if mamba else None,
+        prefix_match_unit=layout.prefix_match_unit,
+    )
+
+
+def _one_group(num_blocks: int, block_size: int) -> KVCacheConfig:
+    spec = _group_spec("full", block_size, None)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(TINY_LLAMA_CONFIG["num_hidden_layers"])]
     page = spec.page_size_bytes
-    kv_cache_config = KVCacheConfig(
+    return KVCacheConfig(
         num_blocks=num_blocks,
         # One layer-outermost tensor, as vLLM's get_kv_cache_configs lays out one group.
         kv_cache_tensors=[
@@ -171,12 +201,20 @@ def make_scheduler(
         ],
         kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
     )
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        log_stats=log_stats,
+
+
+def _groups(num_blocks: int, layout: KVLayout, speculative_tokens: int) -> KVCacheConfig:
+    page = _group_spec("full", layout.groups[0][1], None).page_size_bytes
+    groups = [
+        KVCacheGroupSpec([f"model.layers.{index}.{kind}"], _group_spec(kind, block_size, page, speculative_tokens))
+        for index, (kind, block_size) in enumerate(layout.groups)
+    ]
+    layers = [name for group in groups for name in group.layer_names]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        # The groups' layers overlay one another (a block id is one group's at a time).
+        kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=layers, layer_stride=0, block_stride=page)],
+        kv_cache_groups=groups,
     )
 
 
@@ -186,66 +224,6 @@ def _ngram(draft_tokens: int) -> SpeculativeConfig | None:
         return None
     return SpeculativeConfig(method="ngram", num_speculative_tokens=draft_tokens, prompt_lookup_max=4,
                              prompt_lookup_min=2)  # fmt: skip
-
-
-def _make_hybrid_scheduler(
-    model_config: ModelConfig,
-    num_blocks: int,
-    layout: KVLayout,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    log_stats: bool,
-    speculative_tokens: int,
-) -> Scheduler:
-    """A real Scheduler on ``layout``'s groups, its block sizes resolved as vLLM's EngineCore
-    resolves them (``resolve_kv_cache_block_sizes``: the scheduler's block size, and the
-    ``hash_block_size`` its requests' prefixes are hashed at)."""
-    mamba = [block_size for kind, block_size in layout.groups if kind == "mamba"]
-    with scheduler_only_platform():
-        vllm_config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=MAX_MODEL_LEN,
-                is_encoder_decoder=False,
-                enable_chunked_prefill=True,
-            ),
-            # A Mamba model's cache config as vLLM's MambaModelConfig leaves it: "align" mode,
-            # its block size the Mamba group's.
-            cache_config=CacheConfig(
-                block_size=mamba[0] if mamba else layout.groups[0][1],
-                enable_prefix_caching=True,
-                mamba_cache_mode="align" if mamba else "none",
-                mamba_block_size=mamba[0] if mamba else None,
-                prefix_match_unit=layout.prefix_match_unit,
-            ),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
-            observability_config=ObservabilityConfig(),
-            speculative_config=_ngram(speculative_tokens),
-        )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    page_size = _group_spec("full", layout.groups[0][1], None).page_size_bytes
-    groups = [
-        KVCacheGroupSpec([f"model.layers.{index}.{kind}"], _group_spec(kind, block_size, page_size, speculative_tokens))
-        for index, (kind, block_size) in enumerate(layout.groups)
-    ]
-    layers = [name for group in groups for name in group.layer_names]
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        # The groups' layers overlay one another (a block id is one group's at a time).
-        kv_cache_tensors=[KVCacheTensor(size=page_size * num_blocks, layers=layers, layer_stride=0, block_stride=page_size)],
-        kv_cache_groups=groups,
-    )
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        hash_block_size=hash_block_size,
-        log_stats=log_stats,
-    )
 
 
 def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]], **fields) -> ModelRunnerOutput:

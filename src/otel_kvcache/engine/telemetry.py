@@ -500,8 +500,9 @@ class EngineTelemetry:
                 self.misses.entries_freed(entries)
 
     def on_allocated(self, request: Any) -> None:
-        """After a successful ``allocate_slots`` on a layout whose blocks come and go while a
-        request runs (sliding window, Mamba): the most it has held so far."""
+        """After ``allocate_slots`` on a layout whose blocks come and go while a request runs
+        (sliding window, Mamba): the most it has held so far (a failed allocation left its
+        blocks as they were)."""
         held = self.held_blocks(request.request_id)
         tally = self._tally_of(request)
         if held > tally[PEAK]:

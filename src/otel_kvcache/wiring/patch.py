@@ -260,24 +260,6 @@ def _bound_after_first(hook: str, errors: InstrumentationErrors, after: Callable
     return build
 
 
-def _bound_after_success(hook: str, errors: InstrumentationErrors, after: Callable[[Any], None]) -> MethodBuilder:
-    """vLLM's call, then ``after(<vLLM's first argument>)`` unless vLLM returned None."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            if result is not None:
-                try:
-                    after(args[0])
-                except Exception as exc:  # ours, never vLLM's
-                    errors.count(hook, exc)
-            return result
-
-        return method_like(original, method)
-
-    return build
-
-
 def _bound_result(hook: str, errors: InstrumentationErrors, on_result: Callable[[Any, Any], Any]) -> MethodBuilder:
     """vLLM's call, then ``on_result(<vLLM's first argument>, result)``, which returns the
     result vLLM gets (vLLM's own when ours fails)."""
@@ -315,7 +297,7 @@ def patch_connector_hooks(scheduler: Any, engine: EngineTelemetry, errors: Instr
 def patch_layout_hooks(scheduler: Any, engine: EngineTelemetry, errors: InstrumentationErrors) -> None:
     """Binds the hook points of a layout whose blocks come and go while a request runs to
     this scheduler's KV manager."""
-    builders = {"allocated": lambda hook: _bound_after_success(hook, errors, engine.on_allocated)}
+    builders = {"allocated": lambda hook: _bound_after_first(hook, errors, engine.on_allocated)}
     for point in LAYOUT_HOOK_POINTS:
         _bind(scheduler.kv_cache_manager, point, builders[point.role], engine, errors)
 

@@ -82,6 +82,22 @@ def test_every_prefix_number_is_vllms_own(model_config, telemetry, monkeypatch, 
     assert telemetry.blocks_by_state() == engine.pool_scan()
 
 
+@pytest.mark.parametrize("layout", [None, "mamba"], ids=["one-group", "mamba"])
+def test_the_shipped_history_only_ever_takes_an_evicted_miss_for_cold(model_config, telemetry, layout):
+    """With the history's shipped reach (2 to 4 pools' worth of what vLLM freed), a prefix
+    evicted longer ago counts as cold: never the other way, and the two still add up."""
+    engine, truth = _replayed(model_config, layout, POOL_BLOCKS[layout])
+    spans = telemetry.span_by_request()
+    shorter = 0
+    for request_id in engine.requests:
+        attributes = spans[request_id].attributes
+        evicted, cold = attributes[names.PREFIX_EVICTED_TOKENS], attributes[names.PREFIX_COLD_TOKENS]
+        assert evicted <= truth.evicted[request_id], request_id
+        assert evicted + cold == truth.evicted[request_id] + truth.cold[request_id], request_id
+        shorter += evicted < truth.evicted[request_id]
+    assert shorter, "the stream must reach back further than the history"
+
+
 @pytest.mark.parametrize("layout", sorted(CURVE_POOL_BLOCKS))
 def test_the_curve_projects_what_vllm_hits_with_pools_of_other_sizes(model_config, telemetry, layout):
     """As on one group (``test_whatif.py``), from pools of other sizes replaying the stream

@@ -21,8 +21,11 @@ EMPTIED_METHODS = {
     "records": {
         "EngineTelemetry": dict.fromkeys(("on_prefix_cache_lookup", "on_scheduled", "before_release", "on_released")),
     },
-    "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": None, "on_demand": None}},
-    "misses": {"_HandedOverMisses": {"freed": None, "missed": None}},
+    "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": None, "on_demand": None, "on_entries_freed": None,
+                               "on_entries_held": None}},
+    "misses": {"_HandedOverMisses": {"freed": None, "missed": None, "entries_freed": None}},
+    # A hybrid model's own: its peaks, and where its hits can end (``vllm_compat.layouts``).
+    "hybrid": {"EngineTelemetry": {"_read_peaks": None, "_entries_freed": None, "_entries_held": None}},
     "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
     "handover": {"ExporterProcess": {"queue_pending": None}},
 }

@@ -19,7 +19,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from harness.scheduler import VOCAB_SIZE, make_model_config, make_scheduler, model_runner_output
+from harness.scheduler import LAYOUTS, VOCAB_SIZE, make_model_config, make_scheduler, model_runner_output
 
 BLOCK_SIZE = 16
 
@@ -32,6 +32,8 @@ class Workload:
     shared_prefix: int
     output_len: int
     num_blocks: int
+    layout: str | None = None
+    """One of ``harness.scheduler.LAYOUTS`` (a hybrid model's groups), or one full-attention group."""
 
     @property
     def blocks_per_request(self) -> int:
@@ -69,6 +71,11 @@ def workloads() -> list[Workload]:
         roomy = concurrency * per_request + 64
         result.append(Workload(name, concurrency, prompt, shared, output, roomy))
         result.append(Workload(f"{name}/small-pool", concurrency, prompt, shared, output, roomy // 2))
+    # Churn on a hybrid model's groups (attention in blocks of 16 beside a Mamba group in
+    # blocks of 64, hashed every 16 tokens): its attention blocks, and two Mamba state blocks.
+    churn = next(workload for workload in result if workload.name == "churn")
+    hybrid_blocks = churn.concurrency * (churn.blocks_per_request + 2) + 64
+    result.append(Workload("churn/hybrid", 256, 256, 128, 64, hybrid_blocks, layout="mamba-finer-attention"))
     return result
 
 
@@ -105,10 +112,11 @@ class Driver:
             log_stats=log_stats,
             kv_events=False,
             kv_cache_metrics_sample=kv_cache_metrics_sample,
+            layout=LAYOUTS.get(workload.layout),
         )
         self.scheduler = scheduler
         init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._hasher = get_request_block_hasher(scheduler.hash_block_size, sha256)
         self._ids = itertools.count()
         self._shared = [(k * 13 + 5) % VOCAB_SIZE for k in range(workload.shared_prefix)]
         self.finished = 0

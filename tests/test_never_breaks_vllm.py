@@ -72,9 +72,9 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
 
 
 def test_a_hybrid_models_decisions_are_identical_and_our_failures_counted(model_config, monkeypatch):
-    """Attention beside a Mamba group: the layout's own hooks (the allocation the peak is
-    read after, the checkpoints read as blocks reach the free queue, those running
-    requests hold) fail, and vLLM decides as it does uninstrumented."""
+    """Attention beside a Mamba group: what only such a layout runs (the peaks read after a
+    step's allocations, the checkpoints read as blocks reach the free queue, those running
+    requests hold) fails, and vLLM decides as it does uninstrumented."""
     from harness.scheduler import LAYOUTS
 
     layout = LAYOUTS["mamba-finer-attention"]
@@ -85,7 +85,7 @@ def test_a_hybrid_models_decisions_are_identical_and_our_failures_counted(model_
         assert busy_run_decisions(model_config, layout) == baseline
         assert telemetry.total(names.INSTRUMENTATION_ERRORS) == 0
         instrumentor.uninstrument()
-        for method in ("on_allocated", "_entries_freed", "_entries_held"):
+        for method in ("_read_peaks", "_entries_freed", "_entries_held"):
             monkeypatch.setattr(EngineTelemetry, method, _fail)
         instrumentor = _instrumented(telemetry)
         failing = busy_run_decisions(model_config, layout)
@@ -93,7 +93,7 @@ def test_a_hybrid_models_decisions_are_identical_and_our_failures_counted(model_
         instrumentor.uninstrument()
     assert failing == baseline
     hooks = {p.attributes[names.HOOK] for p in telemetry.points(names.INSTRUMENTATION_ERRORS)}
-    assert {"KVCacheManager.allocate_slots", "FreeKVCacheBlockQueue.append_n"} <= hooks
+    assert {"Scheduler.schedule", "FreeKVCacheBlockQueue.append_n"} <= hooks
 
 
 def test_vllm_exceptions_pass_through_unchanged(model_config, telemetry):

@@ -56,7 +56,7 @@ from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.package import _instruments, _instruments_any
 from otel_kvcache.version import __version__
 from otel_kvcache.wiring.hooks import LazyPatcher
-from otel_kvcache.wiring.patch import build_wrappers, unpatch_engine_hooks
+from otel_kvcache.wiring.patch import build_wrappers, unpatch_connector_hooks
 from otel_kvcache.wiring.resource import handed_down_attributes
 
 __all__ = ["VLLMKVCacheInstrumentor", "__version__"]
@@ -118,8 +118,9 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
             self._patcher = None
             if self._publisher is not None:
                 self._publisher.stop()
-            for engine in list(self._kv_instruments.engines):  # a connector's, a layout's: patched one by one
-                unpatch_engine_hooks(engine)
+            for engine in list(self._kv_instruments.engines):  # those with a KV connector were patched one by one
+                if engine.connectors is not None:
+                    unpatch_connector_hooks(engine.connectors)
 
 
 def _exports_from_a_helper_process(given_providers: bool) -> bool:

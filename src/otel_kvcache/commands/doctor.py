@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 
 from otel_kvcache import config
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, LAYOUT_HOOK_POINTS, survey
+from otel_kvcache.vllm_compat import survey
 from otel_kvcache.vllm_compat.versions import describe_installed, installed_vllm, is_verified
 
 
@@ -64,9 +64,7 @@ def report() -> tuple[list[str], bool]:
     healthy = installed_vllm() is not None and survey.spans_possible(engine)
     lines += ["", "hook points:", *_finding_lines(f for f in engine if f.kind == "hook point")]
     lines += ["", "hook points on an engine with a KV connector (patched on it as it starts):"]
-    lines += _finding_lines(survey.engine_hook_points(CONNECTOR_HOOK_POINTS))
-    lines += ["", "hook points on an engine whose blocks come and go while a request runs (sliding window, Mamba):"]
-    lines += _finding_lines(survey.engine_hook_points(LAYOUT_HOOK_POINTS))
+    lines += _finding_lines(survey.connector_hook_points())
     lines += ["", "internals:", *_finding_lines(f for f in engine if f.kind == "internal")]
     lines += ["", "OpenTelemetry SDK, as opentelemetry-instrument (or the vLLM plugin) would configure it:", *_sdk_lines()]
     lines += ["", "ready: the request span can be made" if healthy else f"NOT READY: {survey.NO_SPANS}"]

@@ -118,6 +118,8 @@ class ConnectorTelemetry:
         self.hit_tokens = 0
         self.load_failure_blocks = 0
         self._admitted: list[ConnectorTally] = []  # this step's, until schedule() returns
+        self.patched: list[tuple[Any, str, Any]] = []
+        """(scheduler or connector, method, our bound method), for ``uninstrument()``."""
         self._waiting = waiting_for_remote_kvs_status()
         self._handing_kv_on = statuses_handing_kv_on()
         self._hands_on_in_parameters = hands_kv_on_in_parameters(kv_connector(scheduler))

@@ -85,6 +85,7 @@ from otel_kvcache.vllm_compat import (
     arrival_time_reader,
     engine_index,
     finish_reasons_by_status,
+    grown_requests_reader,
     held_blocks_counter,
     kv_bytes_per_block,
     lookup_keys_reader,
@@ -129,7 +130,7 @@ class EngineTelemetry:
         "value_limit", "attribution", "_session_of", "_arrival_of", "_new_requests_of",
         "_resumed_ids_of", "reconciler", "reuse", "preempted_blocks", "preempted_demand",
         "_chores_due", "connectors", "misses", "layout", "_attention_reach", "_hit_blocks", "pending_hit_blocks",
-        "_entries_of", "bound_hooks", "_cached_entries",
+        "_entries_of", "_cached_entries", "_grown_of",
     )  # fmt: skip
 
     def __init__(
@@ -192,6 +193,9 @@ class EngineTelemetry:
         self._arrival_of = arrival_time_reader()
         self._new_requests_of = new_requests_reader()
         self._resumed_ids_of = resumed_request_ids_reader()
+        self._grown_of = grown_requests_reader() if any(with_null for _, with_null in self.type_managers) else None
+        """On a layout whose blocks come and go while a request runs (sliding window, Mamba):
+        the requests a step gave new blocks, whose peak is read then."""
         self.reconciler = Reconciler(self, scheduler)
         rate = config.whatif_sample_rate()
         rate = default_sample_rate(self.pool.limit) if rate is None else rate
@@ -215,9 +219,6 @@ class EngineTelemetry:
         self._chores_due = 0.0
         self.connectors: ConnectorTelemetry | None = None
         """The KV connector's accounting, for an engine that has one (set by ``patch.py``)."""
-        self.bound_hooks: list[tuple[Any, str, Any]] = []
-        """(vLLM's object, method, our bound method) patched on this engine's own objects as it
-        started (``patch.py``), for ``uninstrument()``."""
 
     # --- helpers ------------------------------------------------------------
 
@@ -322,7 +323,11 @@ class EngineTelemetry:
         if now >= self._chores_due:
             self._chores(now)
         self.attribution.keep_up()
-        self.reuse.keep_up()  # last: a failure there costs the curve, nothing else
+        try:  # last, each whatever the other does: a failure there costs the curve, or the peaks
+            self.reuse.keep_up()
+        finally:
+            if self._grown_of is not None:
+                self._read_peaks(output)
 
     def _admitted(self, request_id: str) -> None:
         """An admission opens a period; its prefix hits count when the period closes
@@ -352,6 +357,19 @@ class EngineTelemetry:
             tally[ADMITTED_POOL_FREE] = self.pool.queue.num_free_blocks
         tally[PERIOD_HIT_TOKENS] = hit_tokens
         tally[PERIOD_HIT_BLOCKS] = hit_blocks
+
+    def _read_peaks(self, output: Any) -> None:
+        """The blocks held by each running request the step gave new blocks: a sliding-window
+        or Mamba group frees blocks while a request runs (a Mamba group holds two state
+        blocks for the step in which it crosses a block boundary), so the most it holds
+        comes right after an allocation, not when it is preempted or ends."""
+        requests = self.requests
+        for request_id in self._grown_of(output):
+            tally = requests.get(request_id)
+            if tally is not None:
+                held = self.held_blocks(request_id)
+                if held > tally[PEAK]:
+                    tally[PEAK] = held
 
     def on_stall(self, request: Any) -> None:
         """The scheduler tried to give this request blocks in this step and found none."""
@@ -498,15 +516,6 @@ class EngineTelemetry:
                 self.reuse.on_entries_held(entries)
             finally:
                 self.misses.entries_freed(entries)
-
-    def on_allocated(self, request: Any) -> None:
-        """After ``allocate_slots`` on a layout whose blocks come and go while a request runs
-        (sliding window, Mamba): the most it has held so far (a failed allocation left its
-        blocks as they were)."""
-        held = self.held_blocks(request.request_id)
-        tally = self._tally_of(request)
-        if held > tally[PEAK]:
-            tally[PEAK] = held
 
     # --- chores and readings ---------------------------------------------------------
 

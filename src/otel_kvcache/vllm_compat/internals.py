@@ -103,6 +103,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("resumed_req_ids", OUTPUT, "CachedRequestData", "resumed_req_ids", "field", "resumptions",
              fallback=Internal("new_requests", OUTPUT, "SchedulerOutput", "scheduled_new_reqs", "field",
                                "resumptions")),
+    # On a layout whose blocks come and go while a request runs (sliding window, Mamba).
+    Internal("new_block_ids", OUTPUT, "CachedRequestData", "new_block_ids", "field",
+             "the span's peak blocks where blocks come and go while a request runs (sliding window, Mamba)"),
     Internal("trace_headers", REQUEST, "Request", "trace_headers", "assigned", "the span's place in the trace"),
     # Without it a span starts when the engine first saw the request (its first
     # admission attempt or release), which leaves out its wait before that.

@@ -81,12 +81,10 @@ def hook_points(imported_only: bool = False) -> list[Finding]:
     return findings
 
 
-def engine_hook_points(points: tuple[vllm_compat.HookPoint, ...]) -> list[Finding]:
-    """The findings of hook points patched on an engine's own objects as it starts
-    (``CONNECTOR_HOOK_POINTS``, ``LAYOUT_HOOK_POINTS``)."""
+def connector_hook_points() -> list[Finding]:
     return [
         Finding("hook point", point.qualname, *hook_point_status(point), vllm_compat.FEEDS[point.role], False)
-        for point in points
+        for point in vllm_compat.CONNECTOR_HOOK_POINTS
     ]
 
 

@@ -37,7 +37,7 @@ from otel_kvcache.engine.pool import PoolTracker
 from otel_kvcache.engine.telemetry import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, LAYOUT_HOOK_POINTS, engine_index, free_queue
+from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, engine_index, free_queue
 from otel_kvcache.vllm_compat.kv_transfer import kv_connector
 from otel_kvcache.vllm_compat.survey import start_up
 from otel_kvcache.wiring.hooks import Wrapper, as_vllm_calls_it
@@ -192,14 +192,13 @@ def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, afte
     return build
 
 
-# --- per engine: the KV connector's and the layout's hook points ----------------------
+# --- per engine: the KV connector's hook points -------------------------------------
 #
-# Patched on one scheduler, its KV manager and its connector object
-# (``CONNECTOR_HOOK_POINTS``, ``LAYOUT_HOOK_POINTS``) as the engine starts, each bound to
-# that engine's telemetry: no lookup of the engine, and nothing at all on an engine
-# without a connector, or whose blocks only grow while a request runs. Each calls what
-# the class had when the engine started: a wrapper another tool puts on the class later
-# reaches engines started after it.
+# Patched on one scheduler and its connector object (``CONNECTOR_HOOK_POINTS``) by
+# ``patch_connector_hooks``, each bound to that engine's ``ConnectorTelemetry``: no
+# lookup of the engine, and nothing at all on an engine without a connector. Each
+# calls what the class had when the engine started: a wrapper another tool puts on
+# the class later reaches engines started after it.
 
 
 def _bound_before(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
@@ -278,9 +277,10 @@ def _bound_result(hook: str, errors: InstrumentationErrors, on_result: Callable[
     return build
 
 
-def patch_connector_hooks(scheduler: Any, engine: EngineTelemetry, errors: InstrumentationErrors) -> None:
-    """Binds the connector's hook points to this scheduler and its connector object."""
-    connectors = engine.connectors
+def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors: InstrumentationErrors) -> None:
+    """Binds the connector's hook points to this scheduler and its connector object.
+    A point the installed vLLM lacks is reported once by name, as the class-level ones are;
+    one we fail to bind is counted and left as vLLM's."""
     builders = {
         "connector_output": lambda hook: _bound_around(hook, errors, connectors.before_output, connectors.after_output),
         "finished": lambda hook: _bound_after_first(hook, errors, connectors.on_finished),
@@ -290,44 +290,27 @@ def patch_connector_hooks(scheduler: Any, engine: EngineTelemetry, errors: Instr
     connector = kv_connector(scheduler)
     for point in CONNECTOR_HOOK_POINTS:
         target = scheduler if point.owner == "Scheduler" else connector
-        # A connector without several KV-cache groups has no request_finished_all_groups.
-        _bind(target, point, builders[point.role], engine, errors, quiet=point.owner == "SupportsHMA")
+        original = getattr(type(target), point.method, None)
+        if original is None:  # a connector without several KV-cache groups has no request_finished_all_groups
+            if point.owner != "SupportsHMA":
+                _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
+            continue
+        try:
+            method = builders[point.role](point.qualname)(as_vllm_calls_it(original))
+            bound = MethodType(functools.wraps(original)(method), target)
+            setattr(target, point.method, bound)
+        except Exception as exc:  # noqa: BLE001 - e.g. a connector whose parameters we cannot copy
+            errors.count(point.qualname, exc)
+            continue
+        connectors.patched.append((target, point.method, bound))
 
 
-def patch_layout_hooks(scheduler: Any, engine: EngineTelemetry, errors: InstrumentationErrors) -> None:
-    """Binds the hook points of a layout whose blocks come and go while a request runs to
-    this scheduler's KV manager."""
-    builders = {"allocated": lambda hook: _bound_after_first(hook, errors, engine.on_allocated)}
-    for point in LAYOUT_HOOK_POINTS:
-        _bind(scheduler.kv_cache_manager, point, builders[point.role], engine, errors)
-
-
-def _bind(target: Any, point: Any, builder: Callable[[str], MethodBuilder], engine: EngineTelemetry,
-          errors: InstrumentationErrors, quiet: bool = False) -> None:  # fmt: skip
-    """Binds one hook point's wrapper to ``target`` (an object, not its class). A point the
-    installed vLLM lacks is reported once by name, as the class-level ones are; one we fail
-    to bind is counted and left as vLLM's."""
-    original = getattr(type(target), point.method, None)
-    if original is None:
-        if not quiet:
-            _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
-        return
-    try:
-        method = builder(point.qualname)(as_vllm_calls_it(original))
-        bound = MethodType(functools.wraps(original)(method), target)
-        setattr(target, point.method, bound)
-    except Exception as exc:  # noqa: BLE001 - e.g. a connector whose parameters we cannot copy
-        errors.count(point.qualname, exc)
-        return
-    engine.bound_hooks.append((target, point.method, bound))
-
-
-def unpatch_engine_hooks(engine: EngineTelemetry) -> None:
-    """Takes our bound methods off the engine's objects (``uninstrument()``)."""
-    for target, method, bound in engine.bound_hooks:
+def unpatch_connector_hooks(connectors: ConnectorTelemetry) -> None:
+    """Takes our bound methods off the scheduler and its connector (``uninstrument()``)."""
+    for target, method, bound in connectors.patched:
         if vars(target).get(method) is bound:
             delattr(target, method)
-    engine.bound_hooks.clear()
+    connectors.patched.clear()
 
 
 def _feeds(scheduler: Any, engine: EngineTelemetry | None) -> None:
@@ -363,17 +346,15 @@ def scheduler_init_wrapper(
             engine = EngineTelemetry(instance, exporter_for(), errors)
             if kv_connector(instance) is not None:
                 engine.connectors = ConnectorTelemetry(engine, instance)
-                patch_connector_hooks(instance, engine, errors)
-            if any(with_null_blocks for _, with_null_blocks in engine.type_managers):
-                patch_layout_hooks(instance, engine, errors)
+                patch_connector_hooks(instance, engine.connectors, errors)
             _feeds(instance, engine)
             instruments.engines.add(engine)  # its gauges are read once its hooks feed it
             if publisher is not None:
                 publisher.add(engine)
         except Exception as exc:  # noqa: BLE001
             errors.count(hook, exc)
-            if engine is not None:  # leave vLLM's methods as they were
-                unpatch_engine_hooks(engine)
+            if engine is not None and engine.connectors is not None:  # leave vLLM's methods as they were
+                unpatch_connector_hooks(engine.connectors)
 
     return wrapper
 

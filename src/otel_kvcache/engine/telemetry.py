@@ -6,7 +6,9 @@ thread, so it is written for the scheduler's hot loop:
 
 - nothing runs per scheduled request per step: a request is looked at when it
   is admitted, preempted or released (its tally is made at its first
-  admission, or its first failed attempt), and a step costs, after
+  admission, or its first failed attempt), or, on a model whose blocks come and
+  go while a request runs (sliding window, Mamba), when a step gives it blocks
+  (its peak: ``_read_peaks``); and a step costs, after
   ``schedule()``, a clock read and a count of what the step's allocations
   popped off the free queue (``PoolTracker.note_pops``); the chores (the
   evictions those pops made, reconciliation, the hand-over to the exporter)
@@ -72,13 +74,6 @@ from otel_kvcache.engine.tally import (
 from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.spans import RequestExporter
-from otel_kvcache.vllm_compat.layouts import (
-    attention_reach_reader,
-    cached_entries_reader,
-    entries_reader,
-    hit_blocks_counter,
-    prefix_layout,
-)
 from otel_kvcache.vllm_compat import (
     allocation_failed,
     allocation_watch,
@@ -98,6 +93,13 @@ from otel_kvcache.vllm_compat import (
     session_id_reader,
     statuses_waiting_for_blocks,
     trace_headers_reader,
+)
+from otel_kvcache.vllm_compat.layouts import (
+    attention_reach_reader,
+    cached_entries_reader,
+    entries_reader,
+    hit_blocks_counter,
+    prefix_layout,
 )
 
 if TYPE_CHECKING:
@@ -289,7 +291,7 @@ class EngineTelemetry:
             present = 0 if self._attention_reach is None else max(self._attention_reach(request) // unit - hit_blocks, 0)
             if present and self._cached_entries is not None:
                 try:
-                    self._entries_held(self._cached_entries(request.request_id, keys[hit_blocks : hit_blocks + present]))
+                    self._entries_held(self._cached_entries(request_id, keys[hit_blocks : hit_blocks + present]))
                 except Exception as exc:  # noqa: BLE001 - ours: the lookup's own events still go
                     self.errors.count(HELD_ENTRIES, exc)
             try:  # each whatever the other does (a try costs nothing until it catches)

@@ -15,7 +15,7 @@ than a unit its full blocks and the prompt's tail. vLLM keys each group's entrie
 by the unit's hash and the group's id (``make_block_hash_with_group_id``): the
 entries of the groups other than a full-attention group counted in units
 (``PrefixLayout.checked``) tell where a hit could end, and they reach the free
-queue with their blocks (``entries_of``), mid-run for a Mamba or sliding-window
+queue with their blocks (``entries_reader``), mid-run for a Mamba or sliding-window
 group. Which checkpoints vLLM keeps is its own policy, read here from what it
 cached, never modelled.
 
@@ -32,7 +32,7 @@ from math import ceil
 from operator import attrgetter
 from typing import Any, NamedTuple
 
-from otel_kvcache.vllm_compat import internals
+from otel_kvcache.vllm_compat import block_hash_reader, internals, real_blocks
 
 FULL_ATTENTION_MANAGER = "FullAttentionManager"
 
@@ -120,7 +120,7 @@ def entries_reader(block_pool: Any, layout: PrefixLayout) -> Callable[[Sequence[
     if not layout.checked:
         return None
     checked = frozenset(layout.checked)
-    key_of = attrgetter("_block_hash" if hasattr(block_pool.blocks[0], "_block_hash") else "block_hash")
+    key_of = block_hash_reader(block_pool.blocks[0])
     extra = block_pool.cached_block_hashes_by_block if internals.has("cached_block_hashes_by_block") else {}
     suffix_length = len(layout.checked[0])
 
@@ -184,7 +184,6 @@ def hit_blocks_counter(type_managers: Sequence[Any]) -> Callable[[str, int], int
     if len(type_managers) == 1 and type(type_managers[0]).__name__ == FULL_ATTENTION_MANAGER:
         return None
     groups = tuple((manager.req_to_blocks, manager.block_size) for manager in type_managers)
-    is_null = attrgetter("is_null")
 
     def hit_blocks(request_id: str, hit_tokens: int) -> int:
         if not hit_tokens:
@@ -193,8 +192,7 @@ def hit_blocks_counter(type_managers: Sequence[Any]) -> Callable[[str, int], int
         for blocks_of, block_size in groups:
             blocks = blocks_of.get(request_id)
             if blocks:
-                hit = blocks[: ceil(hit_tokens / block_size)]
-                count += len(hit) - sum(map(is_null, hit))
+                count += real_blocks(blocks[: ceil(hit_tokens / block_size)])
         return count
 
     return hit_blocks

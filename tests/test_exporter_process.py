@@ -359,6 +359,7 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
     or while a frame is half in its pipe (a page-sized pipe): vLLM runs on, the engine
     notices, counts exactly those records, and a new helper exports what comes next."""
     import fcntl
+    import select
     import signal
 
     from engine_harness import EngineHarness
@@ -380,15 +381,20 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
     os.kill(first_helper, signal.SIGSTOP)
     if pipe_bytes:
         fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, pipe_bytes)
+        # One frame for the wave, handed over as the engine goes idle: a wave that outlasts
+        # a flush interval (a slow host) would first hand over a frame that fills the pipe,
+        # and the next one, written whole or not at all (PIPE_BUF), would start no part.
+        exporter.due = float("inf")
     lost = wave("lost", lost_count)
-    if pipe_bytes:  # written in part, by the pipe's thread (the idle engine handed it over)
-        written_by = time.monotonic() + 5.0
-        while not (exporter._frames and exporter._frames[0].started) and time.monotonic() < written_by:
-            time.sleep(0.01)
-        assert exporter._frames and exporter._frames[0].started
+    exporter.due = time.monotonic()
+    if pipe_bytes:
+        assert exporter._frames and exporter._frames[0].started  # written in part
     else:
         assert exporter.in_flight == len(lost)
     os.kill(first_helper, signal.SIGKILL)
+    # Noticed at the next hand-over once its pipes have closed: the clock starts then (a
+    # hand-over a moment before, the signal not yet through, would leave it a second later).
+    assert select.select([exporter._acks_fd], [], [], 10.0)[0], "the helper's pipes stayed open"
     noticed_by = time.monotonic() + 1.0  # one flush interval of a busy engine
     while exporter.helper_pid == first_helper and time.monotonic() < noticed_by:
         exporter.flush_if_due(time.monotonic())  # what the engine's chores call each step

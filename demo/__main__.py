@@ -15,6 +15,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -48,10 +50,14 @@ from demo.tiny_model import make_tiny_model
 from demo.top_frame import BusiestFrame
 from otel_kvcache import config, names
 from otel_kvcache.commands import gate
+from otel_kvcache.commands.command_line import CommandLine
 from otel_kvcache.commands.report.build import write as write_report
 from otel_kvcache.commands.top.frame import View, render
 
 SERVED_MODEL_NAME = "tiny-llama"
+BLOCK_SIZE, MAX_MODEL_LEN = ServerConfig.block_size, ServerConfig.max_model_len
+FEWEST_BLOCKS = -(-MAX_MODEL_LEN // BLOCK_SIZE) + 1
+"""vLLM starts only if its longest request fits the pool, beside the null block it keeps."""
 ATTRIBUTION_SETTINGS = {
     config.BAGGAGE_KEYS: TENANT_KEY,
     config.ATTRIBUTION: f"{names.MODEL},{TENANT_KEY}",
@@ -114,19 +120,42 @@ def aborted(count: int) -> str:
     return f"the other {count} were aborted when their clients left"
 
 
+def command(script: str, *arguments: object) -> str:
+    """One of this environment's commands as the user can paste it where they stand (the
+    environment need not be active): its path from there, or from the root above it."""
+    path = Path(sys.executable).parent / script
+    if path.is_relative_to(Path.cwd()):
+        path = Path(".", path.relative_to(Path.cwd()))
+    return shlex.join([str(path), *map(str, arguments)])
+
+
+def vllm_failure(log_path: Path) -> str:
+    """What vLLM said when it failed: the first exception its log names (the engine's
+    cause; the API server's own, "Engine core initialization failed", comes after)."""
+    said = (line.strip() for line in log_path.read_text(errors="replace").splitlines())
+    return next((line for line in said if re.match(r"^[\w.]*(Error|Exception): ", line)), "no exception in its log")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandLine(
         prog="scripts/demo.sh",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, default=Path("out"), metavar="DIR",
-                        help="where the model, logs and OTLP files go (default: out)")
+                        help="where the model, logs and OTLP files go, from where you stand (default: out)")
     parser.add_argument("--short", action="store_true", help="a shorter load, as CI runs it")
     parser.add_argument("--num-blocks", type=int, default=64, metavar="N",
-                        help="KV pool size in blocks of 32 tokens (default: 64)")
+                        help=f"vLLM's KV blocks of {BLOCK_SIZE} tokens, one of them its null block "
+                             f"(default: 64, a 63-block pool; at least {FEWEST_BLOCKS})")
     args = parser.parse_args(argv)
+    if args.num_blocks < FEWEST_BLOCKS:
+        parser.error(
+            f"--num-blocks {args.num_blocks} is too few: vLLM needs its longest request ({MAX_MODEL_LEN} tokens) "
+            f"to fit the pool, {FEWEST_BLOCKS - 1} blocks of {BLOCK_SIZE} tokens beside its null block: "
+            f"use --num-blocks {FEWEST_BLOCKS} or more"
+        )
     progress = Progress()
     collector = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -144,8 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     shape = SHORT_LOAD if args.short else LoadShape()
     try:
-        with progress.step(f"starting vLLM (CPU) under opentelemetry-instrument, {args.num_blocks - 1}-block KV pool"):
-            server.start()
+        pool = f"{args.num_blocks - 1} KV blocks + 1 null"  # vLLM keeps one of --num-blocks as its null block
+        try:
+            with progress.step(f"starting vLLM (CPU) under opentelemetry-instrument, {pool}"):
+                server.start()
+        except (RuntimeError, TimeoutError) as failed:
+            progress.note(f"{failed}: {vllm_failure(server.log_path)}")
+            return 1
         progress.note(f"server {server.url}, telemetry to {endpoint}")
         progress.note(f"{EXCLUDE_ASGI_SPANS}={server.environment()[EXCLUDE_ASGI_SPANS]}")
         for variable, value in ATTRIBUTION_SETTINGS.items():
@@ -200,11 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM's /metrics, requests its engine ended (vllm:request_success_total): {ended or 'none'};")
     print(f"  {aborted(len(sent) - sum(ended_in_engine.values()))}")
     print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
-    print(f"leak gate (otel-kvcache-gate --otlp-dir {otlp}):")
+    print(f"leak gate ({command('otel-kvcache-gate', '--otlp-dir', otlp)}):")
     leaks = gate.main(["--otlp-dir", str(otlp)])
     report_path = args.out / "report.html"
     write_report(otlp, report_path)
-    print(f"report (otel-kvcache report --otlp-dir {otlp} -o {report_path}): {report_path}")
+    print(f"report ({command('otel-kvcache', 'report', '--otlp-dir', otlp, '-o', report_path)}): {report_path}")
     return 0 if len(spans) == len(sent) and leaks == 0 else 1
 
 

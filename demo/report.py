@@ -59,8 +59,8 @@ def pool_summary(metrics_path: Path) -> PoolSummary:
     )
 
 
-TABLE_COLUMNS = ("request id", "scenario", "model", "tenant", "session", "gap s", "prompt", "prefix hit",
-                 "peak blocks", "block-s", "preempted", "finish")  # fmt: skip
+TABLE_COLUMNS = ("request id", "scenario", "model", "tenant", "session", "gap s", "prompt",
+                 "prefix hit (all admissions)", "peak blocks", "block-s", "preempted", "finish")  # fmt: skip
 
 
 def request_rows(spans: list[dict], scenario_by_trace: dict[str, str] | None = None) -> list[tuple]:

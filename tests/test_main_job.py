@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,15 +46,24 @@ def _spans_in(traces_jsonl: Path) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def main_job(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """One run of ``scripts/demo.sh --short`` for the module: its result and its ``--out``."""
-    out = tmp_path_factory.mktemp("main-job")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    """One run of ``scripts/demo.sh --short --out out`` for the module, from a directory
+    outside the repository, as a user runs it: its result and its ``--out``."""
+    where = tmp_path_factory.mktemp("main-job")
     result = subprocess.run(
-        [str(REPO / "scripts" / "demo.sh"), "--short", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+        [str(REPO / "scripts" / "demo.sh"), "--short", "--out", "out"],
+        capture_output=True, text=True, timeout=600, env=_users_environment(), cwd=where,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    return result, out
+    assert (where / "out" / "otlp" / "traces.jsonl").is_file()  # where the user stands, not in the repository
+    return result, where / "out"
+
+
+def _users_environment() -> dict[str, str]:
+    """This environment's variables less OpenTelemetry's, and with no virtual environment
+    active: the commands the main job prints must run as printed."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != bin_dir)
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "VIRTUAL_ENV"}, "PATH": path}
 
 
 def test_readme_command_1_prints_the_exported_spans(main_job):
@@ -160,7 +171,7 @@ def _printed_totals(stdout: str) -> dict:
 def test_readme_command_1_writes_a_report_with_the_tables_totals(main_job):
     result, out = main_job
     report = out / "report.html"
-    assert f"report (otel-kvcache report --otlp-dir {out / 'otlp'} -o {report}): {report}" in result.stdout
+    assert report.is_file() and re.search(r"^report \(.*\): out/report.html$", result.stdout, re.M)
     page = report.read_text()
     summary = json.loads(re.search(r'<script type="application/json" id="summary">(.*?)</script>', page, re.S).group(1))
     printed = _printed_totals(result.stdout)
@@ -201,3 +212,17 @@ def test_readme_command_1_prints_a_top_frame_of_live_requests_the_spans_confirm(
     printed = result.stdout.split("otel-kvcache top --once, at the busiest moment of the load:", 1)[1]
     assert f"used {pool['used']}  cached {pool['cached']}  free {pool['free']}  of 63 blocks" in printed
     assert all(row["id"][:20] in printed for row in engine["requests"])
+
+
+def test_readme_command_1_prints_commands_that_run_as_printed(main_job):
+    """The leak gate and the report, pasted where the main job ran, with no environment active."""
+    result, out = main_job
+    printed = dict(re.findall(r"^(leak gate|report) \((.*)\)", result.stdout, re.M))
+    gate = subprocess.run(shlex.split(printed["leak gate"]), capture_output=True, text=True, timeout=120,
+                          env=_users_environment(), cwd=out.parent)  # fmt: skip
+    assert gate.returncode == 0 and "otel-kvcache gate: PASS" in gate.stdout, gate.stdout + gate.stderr
+    (out / "report.html").unlink()
+    report = subprocess.run(shlex.split(printed["report"]), capture_output=True, text=True, timeout=300,
+                            env=_users_environment(), cwd=out.parent)  # fmt: skip
+    assert report.returncode == 0 and report.stdout.strip() == "out/report.html", report.stderr
+    assert (out / "report.html").stat().st_size > 0

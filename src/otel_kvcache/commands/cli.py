@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from otel_kvcache.commands.command_line import CommandLine
 from otel_kvcache.commands.report import command as report
 from otel_kvcache.commands.top import command as top
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="otel-kvcache", description="OpenTelemetry for vLLM's KV cache.")
+    parser = CommandLine(prog="otel-kvcache", description="OpenTelemetry for vLLM's KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("doctor", help="what the installed vLLM offers the instrumentation, and what it would export")
     report.add_arguments(

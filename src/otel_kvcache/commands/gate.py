@@ -12,7 +12,6 @@ hit ratio by more than X (0.05: five points), by the what-if curve.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import re
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from otel_kvcache import names
+from otel_kvcache.commands.command_line import CommandLine, existing_directory, http_url
 from otel_kvcache.commands.otlp_json import latest_per_engine, metric_points, span_events
 
 CHECKED = (names.ORPHANED_BLOCKS, names.ZOMBIE_REQUESTS, names.TAIL_SLACK_RATIO)
@@ -120,10 +120,10 @@ def evaluate(readings: dict[str, dict], tolerances: Tolerances, gains: dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="otel-kvcache-gate", description=__doc__.splitlines()[0])
+    parser = CommandLine(prog="otel-kvcache-gate", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--otlp-dir", type=Path, help="directory with metrics.jsonl (and traces.jsonl)")
-    source.add_argument("--prometheus", help="URL of a Prometheus exposition of these metrics")
+    source.add_argument("--otlp-dir", type=existing_directory, help="directory with metrics.jsonl (and traces.jsonl)")
+    source.add_argument("--prometheus", type=http_url, help="URL of a Prometheus exposition of these metrics")
     parser.add_argument("--max-orphaned-blocks", type=int, default=0)
     parser.add_argument("--max-zombie-requests", type=int, default=0)
     parser.add_argument("--max-tail-slack-ratio", type=float, default=0.5)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from otel_kvcache.commands.command_line import http_url
 from otel_kvcache.commands.top.frame import SORT_KEYS, View, device_readings, json_frame, render
 from otel_kvcache.engine.snapshot_files import FORGET_AFTER_SECONDS, Published, read_snapshots
 
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="print one frame and exit, as plain nvidia-smi does")
     parser.add_argument("--json", action="store_true", help="print one frame as JSON and exit (docs/top.md)")
     parser.add_argument(
-        "--prometheus", metavar="URL",
+        "--prometheus", metavar="URL", type=http_url,
         help="fleet mode: every replica and engine this Prometheus scrapes (pool lines, no requests)",
     )  # fmt: skip
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")

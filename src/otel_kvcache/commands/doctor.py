@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from importlib.metadata import entry_points
 
-from otel_kvcache import config
+from otel_kvcache import config, names
+from otel_kvcache.export.collector import span_endpoint, unreachable
 from otel_kvcache.version import __version__
 from otel_kvcache.vllm_compat import survey
 from otel_kvcache.vllm_compat.versions import describe_installed, installed_vllm, is_verified
@@ -34,8 +35,9 @@ def _sdk_lines() -> list[str]:
             saved = os.environ.get(variable)
             os.environ.setdefault(variable, "otlp")
             try:
-                names = _get_exporter_names(signal)
-                exporters = _import_exporters(*(names if s == signal else [] for s in ("traces", "metrics", "logs")))
+                exporter_names = _get_exporter_names(signal)
+                chosen = (exporter_names if s == signal else [] for s in ("traces", "metrics", "logs"))
+                exporters = _import_exporters(*chosen)
                 found = [cls.__name__ for group in exporters for cls in group.values()]
                 lines.append(f"  {signal}: {os.environ[variable]} -> {', '.join(found) or 'none'}")
             except Exception as exc:  # noqa: BLE001 - that is the finding
@@ -45,11 +47,25 @@ def _sdk_lines() -> list[str]:
                     os.environ.pop(variable, None)
     except ImportError as exc:
         lines.append(f"  exporters: the SDK's configuration cannot be read ({exc})")
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317 (the default)")
-    lines.append(f"  OTLP endpoint: {endpoint}")
+    lines.append(_endpoint_line())
     lines.append(f"  resource detectors: {os.environ.get('OTEL_EXPERIMENTAL_RESOURCE_DETECTORS', 'vllm (the distro default)')}")
     lines.append(f"  vLLM plugin ({config.VLLM_PLUGIN}): {config.vllm_plugin()}")
     return lines
+
+
+def _endpoint_line() -> str:
+    """Where spans would go, and whether something answers there: a warning, not a reason
+    for NOT READY (vLLM serves either way, and lost spans are counted)."""
+    endpoint, protocol = span_endpoint()
+    if "otlp" not in os.environ.get("OTEL_TRACES_EXPORTER", "otlp"):
+        return f"  OTLP endpoint: not used (OTEL_TRACES_EXPORTER={os.environ['OTEL_TRACES_EXPORTER']})"
+    reason = unreachable(endpoint)
+    if reason is None:
+        return f"  OTLP endpoint: {endpoint} ({protocol}): something answered"
+    return (
+        f"  OTLP endpoint: {endpoint} ({protocol}): WARNING: unreachable ({reason}); vLLM would serve, "
+        f"and the spans it could not send would be counted in {names.TELEMETRY_DROPPED}"
+    )
 
 
 def report() -> tuple[list[str], bool]:

@@ -15,7 +15,9 @@ value, or a batch of long spans, cost everyone in it their span.
   spans, while the receiver takes an empty export: then the receiver refused
   what it was sent, and only the spans refused even alone are lost. A receiver
   that takes nothing (down, or refusing us) loses the batch whole, as before,
-  and is not asked again.
+  and is not asked again; the log says which, naming the endpoint
+  (``collector.py``).
+- Each kind of loss is logged once per process, however many exporters it has.
 - What ``export`` loses is counted in ``otel_kvcache.telemetry.dropped`` (stage
   ``export``); ``send`` returns it instead, for the helper to acknowledge.
 
@@ -40,8 +42,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from otel_kvcache import config, names
 from otel_kvcache.errors import count_dropped
+from otel_kvcache.export.collector import span_endpoint, unreachable
 
 _logger = logging.getLogger(__name__)
+_warned: set[tuple[int, str]] = set()
+"""(pid, kind) of each loss logged: once per process, a forked child's too."""
 
 RETRYABLE_CODES_VARIABLE = "OTEL_PYTHON_EXPORTER_OTLP_GRPC_RETRYABLE_ERROR_CODES"
 """The SDK's (experimental) list of gRPC codes its OTLP exporters retry."""
@@ -67,7 +72,6 @@ class ByteBoundedSpanExporter(SpanExporter):
     def __init__(self, exporter: SpanExporter, max_bytes: int | None = None) -> None:
         self.exporter = exporter
         self.max_bytes = config.export_max_bytes() if max_bytes is None else max_bytes
-        self._warned: set[str] = set()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lost = self.send(list(spans))
@@ -108,24 +112,40 @@ class ByteBoundedSpanExporter(SpanExporter):
     def _refused(self, spans: list[ReadableSpan]) -> int:
         """Spans lost of those the exporter just failed to send: halves are sent again,
         while the receiver takes an empty export (it refused these, it is not down)."""
+        if self.exporter.export([]) is not SpanExportResult.SUCCESS:
+            self._warn_once("takes nothing", _taking_nothing())
+            return len(spans)
         if len(spans) == 1:
             self._warn_once("refused", "the receiver refused a span even alone; it is dropped")
             return 1
-        if self.exporter.export([]) is not SpanExportResult.SUCCESS:
-            return len(spans)
         middle = len(spans) // 2
         return sum(self._send_fitting(half) for half in (spans[:middle], spans[middle:]))
 
-    def _warn_once(self, kind: str, what: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            _logger.warning("otel-kvcache: %s and counted in %s (logged once)", what, names.TELEMETRY_DROPPED)
+    @staticmethod
+    def _warn_once(kind: str, what: str) -> None:
+        if (os.getpid(), kind) not in _warned:
+            _warned.add((os.getpid(), kind))
+            _logger.warning(
+                "otel-kvcache: %s and counted in %s (logged once per process)", what, names.TELEMETRY_DROPPED
+            )
 
     def shutdown(self) -> None:
         self.exporter.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.exporter.force_flush(timeout_millis)
+
+
+def _taking_nothing() -> str:
+    """Why a receiver took nothing, as far as connecting to it tells."""
+    endpoint, _ = span_endpoint()
+    reason = unreachable(endpoint)
+    if reason is not None:
+        return f"the collector at {endpoint} is unreachable ({reason}); spans sent meanwhile are dropped"
+    return (
+        f"the collector at {endpoint} answers but took no spans (the OpenTelemetry exporter logs its error); "
+        "spans sent meanwhile are dropped"
+    )
 
 
 def byte_bounded_batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:

@@ -477,7 +477,7 @@ def test_an_exporter_that_refuses_everything_counts_every_span(model_config, mon
 def test_where_spans_are_built(monkeypatch, caplog, setting, given_providers, expected):
     import logging
 
-    from otel_kvcache import _exports_from_a_helper_process
+    from otel_kvcache.wiring.instrumentor import _exports_from_a_helper_process
 
     monkeypatch.setenv("OTEL_KVCACHE_EXPORTER_PROCESS", setting)
     # Not under opentelemetry-instrument here, so ``auto`` builds them in-process.

@@ -202,3 +202,25 @@ def test_a_directory_others_can_open_is_refused(tmp_path, monkeypatch, caplog):
         snapshot_files.private_directory(open_to_all, create=True)
     assert snapshot_files.read_snapshots() == []
     assert "unsafe directory" in caplog.text
+
+
+@pytest.mark.vllm_independent
+def test_top_imports_only_what_it_draws(tmp_path):
+    """On a host whose cores vLLM keeps busy every import is slow: ``top`` leaves out the
+    instrumentation (OpenTelemetry's instrumentation machinery, the SDK's pipelines, vLLM)."""
+    import subprocess
+    import sys
+
+    program = (
+        "import sys\nfrom otel_kvcache.commands.cli import main\nassert main(['top', '--json']) == 0\n"
+        "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n"
+    )
+    tmp_path.chmod(0o700)
+    environment = {**os.environ, config.TOP_DIR: str(tmp_path)}  # no engine here
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["engines"] == []
+    imported = result.stderr.split()
+    unwanted = ("opentelemetry.instrumentation", "opentelemetry.sdk.trace", "opentelemetry.exporter", "wrapt",
+                "grpc", "vllm", "torch", "otel_kvcache.wiring", "otel_kvcache.export")  # fmt: skip
+    assert [m for m in imported if m.startswith(unwanted)] == []

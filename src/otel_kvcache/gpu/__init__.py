@@ -4,6 +4,20 @@ A separate instrumentor (entry point ``vllm_gpu``), so that
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=vllm_gpu`` turns it off alone.
 """
 
-from otel_kvcache.gpu.instrumentor import VLLMGPUInstrumentor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from otel_kvcache.gpu.instrumentor import VLLMGPUInstrumentor
 
 __all__ = ["VLLMGPUInstrumentor"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported when first named: ``otel-kvcache top`` reads NVML without the instrumentor.
+    if name == "VLLMGPUInstrumentor":
+        from otel_kvcache.gpu.instrumentor import VLLMGPUInstrumentor
+
+        return VLLMGPUInstrumentor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,8 +6,10 @@
   method it replaces.
 - ``propagation`` carries the caller's trace context and baggage from the API
   server to the engine, inside vLLM's own request.
-- ``plugin`` (plain ``vllm serve``) and ``distro`` (``opentelemetry-instrument``)
-  start it all; ``resource`` names each process (API server, EngineCore, worker).
+- ``instrumentor`` builds the rooms' parts (instruments, exporter, patcher) on
+  ``instrument()``; ``plugin`` (plain ``vllm serve``) and ``distro``
+  (``opentelemetry-instrument``) start it all; ``resource`` names each process
+  (API server, EngineCore, worker).
 
 On the engine thread run only the wrappers ``patch`` builds, and ``propagation``'s
 helpers that read a request's trace context once per request.

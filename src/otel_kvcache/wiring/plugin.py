@@ -66,8 +66,8 @@ def _register() -> None:
         auto_instrumentation.initialize()  # as opentelemetry-instrument does, in this process
         _instrument_fastapi_apps_as_built()
         return
-    from otel_kvcache import VLLMKVCacheInstrumentor
-    from otel_kvcache.gpu import VLLMGPUInstrumentor
+    from otel_kvcache.gpu.instrumentor import VLLMGPUInstrumentor
+    from otel_kvcache.wiring.instrumentor import VLLMKVCacheInstrumentor
 
     for instrumentor in (VLLMKVCacheInstrumentor(), VLLMGPUInstrumentor()):
         if not instrumentor.is_instrumented_by_opentelemetry:

@@ -105,6 +105,27 @@ def test_the_snapshot_is_vllms_pool_and_the_requests_holding_the_most(model_conf
     assert frame["requests"] == [] and frame["pool"]["used"] == 0
 
 
+def test_the_what_if_line_says_how_little_a_light_load_used_and_nothing_before_any(model_config, publisher, capsys):
+    """A large pool and a short request: the peak demand is a sliver of the pool, said as
+    vLLM's own used blocks at the busiest step over its pool, not as 0.00x."""
+    harness = EngineHarness(make_scheduler(model_config, num_blocks=4000))
+    pool = harness.scheduler.kv_cache_manager.block_pool
+    publisher.publish()
+    capsys.readouterr()
+    assert cli(["top", "--once"]) == 0
+    assert "what-if  no prefix lookups in the last 10 min  no demand yet" in capsys.readouterr().out
+    harness.add(harness.make_request("light", prompt_len=200, max_tokens=20))
+    busiest = 0
+    while harness.scheduler.has_requests():
+        harness.step()
+        busiest = max(busiest, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+    publisher.publish()
+    capsys.readouterr()
+    assert cli(["top", "--once"]) == 0
+    shown = capsys.readouterr().out
+    assert f"peak demand used {100 * busiest / (pool.num_gpu_blocks - 1):.2g} % of the pool" in shown, shown
+
+
 def test_connector_states_are_vllms(model_config, publisher, capsys):
     transfers = KVTransfers(EngineHarness(make_scheduler(model_config, num_blocks=48, kv_transfer_config=nixl_both())))
     for _ in range(6):

@@ -201,13 +201,20 @@ def _leaks_line(leaks: dict[str, Any] | None, connector: dict[str, Any] | None) 
 
 
 def _whatif_line(whatif: dict[str, Any] | None) -> Text | None:
-    ratios = (whatif or {}).get("hit_ratio") or {}
-    if "1" not in ratios or "2" not in ratios:
+    if whatif is None:
         return None
-    line = Text(f"  what-if  2x the pool: hit ratio {ratios['1']:.2f} → {ratios['2']:.2f}")
+    ratios = whatif.get("hit_ratio") or {}
+    if "1" in ratios and "2" in ratios:
+        line = Text(f"  what-if  2x the pool: hit ratio {ratios['1']:.2f} → {ratios['2']:.2f}")
+    else:  # idle, or prefix caching off
+        line = Text("  what-if  no prefix lookups in the last 10 min")
     scale = whatif.get("preemption_free_scale")
-    if scale:
+    if not scale:
+        line.append("  no demand yet")
+    elif scale >= 0.01:
         line.append(f"  peak demand fits {scale:.2f}x the pool")
+    else:  # a light load on a large pool
+        line.append(f"  peak demand used {100 * scale:.2g} % of the pool")
     return line
 
 

@@ -130,10 +130,17 @@ def command(script: str, *arguments: object) -> str:
 
 
 def vllm_failure(log_path: Path) -> str:
-    """What vLLM said when it failed: the first exception its log names (the engine's
-    cause; the API server's own, "Engine core initialization failed", comes after)."""
-    said = (line.strip() for line in log_path.read_text(errors="replace").splitlines())
-    return next((line for line in said if re.match(r"^[\w.]*(Error|Exception): ", line)), "no exception in its log")
+    """What vLLM said when it failed: the first exception its log names, raised or logged
+    as an error by one of its processes (the cause; the API server's own, "Engine core
+    initialization failed", comes after)."""
+    raised = re.compile(r"^(?:\(.*?\) ERROR .*?\] )?\s*([\w.]*(?:Error|Exception): .*)")
+    lines = log_path.read_text(errors="replace").splitlines()
+    for at, line in enumerate(lines):
+        if found := raised.match(line):
+            # pydantic's (vLLM's configuration) says what was wrong on the indented line after
+            detail = lines[at + 1].strip() if at + 1 < len(lines) and lines[at + 1][:1].isspace() else ""
+            return f"{found.group(1)}: {detail}" if detail else found.group(1)
+    return "no exception in its log"
 
 
 def main(argv: list[str] | None = None) -> int:

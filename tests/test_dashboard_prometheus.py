@@ -22,6 +22,7 @@ pytestmark = [
 SOURCE = Path(__file__).resolve().parent / "metrics_source.py"
 
 
+@pytest.mark.slow
 def test_prometheus_answers_every_dashboard_query_with_data(tmp_path):
     port = free_port()
     source = subprocess.Popen([sys.executable, str(SOURCE), str(port), "120"],

@@ -8,7 +8,11 @@ import sys
 import textwrap
 from importlib.metadata import PackageNotFoundError, version
 
+import pytest
+
 from otel_kvcache.vllm_compat import hook_points_of
+
+pytestmark = pytest.mark.slow  # each runs doctor, importing vLLM, in a process of its own
 
 DOCTOR = os.path.join(os.path.dirname(sys.executable), "otel-kvcache")
 

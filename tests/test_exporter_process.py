@@ -412,6 +412,7 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
     assert telemetry.total(names.INSTRUMENTATION_ERRORS, **{names.HOOK: "exporter_process"}) == len(lost)
 
 
+@pytest.mark.slow
 def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config, helper_telemetry, caplog):
     import logging
     import signal

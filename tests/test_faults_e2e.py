@@ -208,6 +208,7 @@ def _helper_environment(endpoint: str, **extra: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp_path):
     """The engine ends as vLLM's shutdown ends it (SIGKILL), leaving its helper frames it
     cannot deliver (each export retries for 30 s): the helper gives up at its deadline,
@@ -247,6 +248,7 @@ def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp
     assert "gives up" in (tmp_path / "stderr.log").read_text()
 
 
+@pytest.mark.slow
 def test_vllms_first_process_waits_for_the_helpers_at_its_exit(tmp_path):
     """In a container, the main process's exit kills every process left: the first
     process (here one that runs its engine in-process, as ``LLM`` can) exits only once

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from demo.otlp_sink import OTLPSink, attributes_of
 from otel_kvcache import names
 
@@ -57,6 +58,7 @@ CHILD_PROGRAM = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_spans_and_metrics_from_a_forked_child_are_exported():
     sink = OTLPSink().start()
     try:

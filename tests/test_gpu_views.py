@@ -147,6 +147,8 @@ def test_a_process_where_torch_has_not_initialised_cuda_reports_no_allocator(gpu
     [
         (None, None, True),  # the API server, or a process vLLM did not start
         ("worker", None, False),  # one report per instance, not one per process
+        ("api_server", None, False),  # one of the API servers vLLM started (--api-server-count)
+        ("dp_coordinator", None, False),
         ("engine_core", "always", True),
         (None, "never", False),
     ],

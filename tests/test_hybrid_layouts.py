@@ -98,6 +98,7 @@ def test_the_shipped_history_only_ever_takes_an_evicted_miss_for_cold(model_conf
     assert shorter, "the stream must reach back further than the history"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(CURVE_POOL_BLOCKS))
 def test_the_curve_projects_what_vllm_hits_with_pools_of_other_sizes(model_config, telemetry, layout):
     """As on one group (``test_whatif.py``), from pools of other sizes replaying the stream

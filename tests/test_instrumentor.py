@@ -95,6 +95,7 @@ def test_a_missing_hook_point_is_reported_once_and_the_rest_still_works(caplog):
     assert not hasattr(_current(present), "__wrapped__")
 
 
+@pytest.mark.slow
 def test_instrument_imports_neither_vllm_nor_torch():
     result = _run_python(
         """
@@ -110,6 +111,7 @@ def test_instrument_imports_neither_vllm_nor_torch():
     assert result.stdout.split()[:2] == ["[]", "True"]
 
 
+@pytest.mark.slow
 def test_opentelemetry_instrument_loads_it_through_the_entry_point():
     result = _run_python(
         """

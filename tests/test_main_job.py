@@ -226,3 +226,15 @@ def test_readme_command_1_prints_commands_that_run_as_printed(main_job):
                             env=_users_environment(), cwd=out.parent)  # fmt: skip
     assert report.returncode == 0 and report.stdout.strip() == "out/report.html", report.stderr
     assert (out / "report.html").stat().st_size > 0
+
+
+def test_a_vllm_that_cannot_start_is_said_in_the_line_vllm_gave_its_cause(tiny_model, tmp_path):
+    """What the main job says when vLLM exits at start: the cause, from vLLM's own log."""
+    from demo.__main__ import vllm_failure
+    from demo.server import ServerConfig, VLLMServer
+
+    server = VLLMServer(ServerConfig(model=tiny_model, max_model_len=1 << 20), tmp_path / "vllm-server.log")
+    with pytest.raises(RuntimeError, match="vLLM exited with"):
+        server.start()
+    cause = vllm_failure(server.log_path)
+    assert cause.split(":")[0].endswith("Error") and f"max_model_len ({1 << 20})" in cause, cause

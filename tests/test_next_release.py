@@ -174,6 +174,7 @@ def test_without_one_piece_vllm_serves_doctor_names_it_and_the_rest_is_exact(
         assert telemetry.blocks_by_state() == engine.pool_scan()
 
 
+@pytest.mark.slow
 def test_a_later_vllm_is_instrumented_by_opentelemetry_instrument(tmp_path):
     """A made-up vLLM 0.99.0 (its metadata shadows the installed one's): the loader admits
     the instrumentor, the engine warns once that the release is not verified, and every

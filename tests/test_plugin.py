@@ -13,6 +13,8 @@ import pytest
 
 from test_instrumentor import OPENTELEMETRY_INSTRUMENT
 
+pytestmark = pytest.mark.slow  # each starts a process that imports vLLM
+
 # What one of vLLM's processes does first: load its general plugins (vllm.plugins).
 PROBE = textwrap.dedent(
     """

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from otel_kvcache import names
+from otel_kvcache import config, names
 from otel_kvcache.wiring.resource import PROCESS_ENVIRONMENT_VARIABLE, role_of_process
 
 from test_instrumentor import OPENTELEMETRY_INSTRUMENT
@@ -23,6 +23,8 @@ from test_instrumentor import OPENTELEMETRY_INSTRUMENT
         ("EngineCore", {names.PROCESS_ROLE: "engine_core", names.ENGINE_INDEX: 0}),
         ("EngineCore_DP3", {names.PROCESS_ROLE: "engine_core", names.ENGINE_INDEX: 3}),
         ("VllmWorker-2", {names.PROCESS_ROLE: "worker", names.WORKER_RANK: 2}),
+        ("VLLM_DP_Coordinator", {names.PROCESS_ROLE: "dp_coordinator"}),
+        ("ApiServer_1", {names.PROCESS_ROLE: "api_server", names.API_SERVER_INDEX: 1}),
         ("Process-1", None),
     ],
 )
@@ -54,6 +56,46 @@ def test_a_spawned_engine_core_is_told_its_role_and_the_parent_keeps_its_environ
     }
     worker.join(60)
     assert os.environ[PROCESS_ENVIRONMENT_VARIABLE] == handed_down
+
+
+def _instrument_and_report(queue):
+    """In a child vLLM started: instrument as under opentelemetry-instrument (spans from a
+    helper), then say whether this process made a helpers' lock of its own, whether it
+    reports the devices, and what its parent handed down."""
+    import tempfile
+
+    from otel_kvcache.gpu.instrumentor import reports_devices
+    from otel_kvcache.wiring.instrumentor import VLLMKVCacheInstrumentor
+
+    os.environ["OTEL_KVCACHE_EXPORTER_PROCESS"] = "on"
+    instrumentor = VLLMKVCacheInstrumentor()
+    instrumentor.instrument()
+    own_lock = os.path.join(tempfile.gettempdir(), f"otel-kvcache-helpers-{os.getpid()}.lock")
+    queue.put((os.path.exists(own_lock), reports_devices(), os.environ.get(PROCESS_ENVIRONMENT_VARIABLE)))
+    instrumentor.uninstrument()
+
+
+@pytest.mark.parametrize(
+    ("process_name", "role"),
+    [("VLLM_DP_Coordinator", {names.PROCESS_ROLE: "dp_coordinator"}),
+     ("ApiServer_1", {names.PROCESS_ROLE: "api_server", names.API_SERVER_INDEX: 1})],
+)  # fmt: skip
+def test_the_processes_vllm_starts_beside_its_engines_have_a_role_and_leave_no_lock(
+    telemetry, monkeypatch, process_name, role
+):
+    """vLLM's DP coordinator and its extra API servers (the names vLLM gives them): each is
+    told its role, reports no devices (its first process does), and makes no lock file of
+    its own (vLLM kills them before their exit handlers run)."""
+    monkeypatch.delenv(PROCESS_ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.delenv(config.DEVICE_METRICS, raising=False)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_instrument_and_report, args=(queue,), name=process_name)
+    child.start()
+    made_a_lock, reports_devices, handed_down = queue.get(timeout=120)
+    child.join(60)
+    assert json.loads(handed_down) == role
+    assert not made_a_lock and not reports_devices
 
 
 def _resource_under_opentelemetry_instrument(env: dict[str, str], code: str | None = None) -> dict:

@@ -370,6 +370,7 @@ def test_phases_cut_a_request_at_its_events():
     ]
 
 
+@pytest.mark.slow
 def test_reading_a_large_traces_file_streams(tmp_path):
     """20,000 requests, about 30 MB: memory stays at the bounded aggregates plus one
     export request (a line), far below the file."""

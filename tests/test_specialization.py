@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="CPython spec
 WORKLOAD = "churn"  # the shortest warm-up (two waves of 64-token outputs), admissions and releases every step
 
 
+@pytest.mark.slow
 def test_vllm_code_is_specialized_as_without_the_instrumentation(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where each process makes its model's config
     variants = ("base", "otel", "control")

@@ -81,6 +81,7 @@ def doctor_line(endpoint: str) -> tuple[int, str]:
     return result.returncode, line
 
 
+@pytest.mark.slow
 def test_doctor_says_whether_something_answers_at_its_endpoint():
     sink = OTLPSink().start()
     try:

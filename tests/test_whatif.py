@@ -69,6 +69,7 @@ def pending_events_in(monkeypatch, make_events) -> list:
     return made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("most_pending", "read_mid_event"),
     [(1 << 62, False), (8, False), (1 << 62, True)],

@@ -45,8 +45,8 @@ configured from the environment, as by ``opentelemetry-instrument``), ``on``, ``
 EXPORTER_PROCESS_CHOICES = ("auto", "on", "off")
 
 DEVICE_METRICS = "OTEL_KVCACHE_GPU_DEVICE_METRICS"
-"""Which processes report the devices' NVML gauges: ``auto`` (the API server, or a
-process vLLM did not start), ``always``, ``never``."""
+"""Which processes report the devices' NVML gauges: ``auto`` (vLLM's first process, or
+one vLLM did not start), ``always``, ``never``."""
 DEVICE_METRICS_CHOICES = ("auto", "always", "never")
 
 VLLM_PLUGIN = "OTEL_KVCACHE_VLLM_PLUGIN"

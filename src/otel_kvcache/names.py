@@ -193,10 +193,13 @@ ENGINE_INDEX: Final = "vllm.engine.index"
 PROCESS_ROLE: Final = "vllm.process.role"
 """Resource attribute: which of vLLM's processes exported the data."""
 ROLE_API_SERVER: Final = "api_server"
+ROLE_DP_COORDINATOR: Final = "dp_coordinator"
 ROLE_ENGINE_CORE: Final = "engine_core"
 ROLE_WORKER: Final = "worker"
 WORKER_RANK: Final = "vllm.worker.rank"
 """Resource attribute of worker processes: the worker's rank within its engine."""
+API_SERVER_INDEX: Final = "vllm.api_server.index"
+"""Resource attribute of the API servers vLLM starts (``--api-server-count``): which one."""
 
 ERROR_TYPE_ATTRIBUTE: Final = ERROR_TYPE
 """Metric attribute of the instrumentation's own error counter: the exception type."""

@@ -6,8 +6,8 @@ Which process reports what:
   (``vllm.gpu.process.memory.usage``, by ``process.pid`` and ``hw.id``);
 - processes where torch has initialised CUDA (vLLM's workers): the caching
   allocator's allocated, reserved and unallocated bytes, retries and OOMs;
-- one process per vLLM instance (the API server, or a process vLLM did not
-  start): the devices themselves (``hw.gpu.*``), so they are not reported
+- one process per vLLM instance (its first process, the API server, or a
+  process vLLM did not start): the devices themselves (``hw.gpu.*``), so they are not reported
   once per process. ``OTEL_KVCACHE_GPU_DEVICE_METRICS`` = ``auto`` (that
   default), ``always`` or ``never`` overrides it.
 """
@@ -30,7 +30,7 @@ from otel_kvcache.gpu.allocator import AllocatorReading, TorchAllocatorSource
 from otel_kvcache.gpu.nvml import DeviceReading, NVMLSource
 from otel_kvcache.package import _instruments
 from otel_kvcache.version import __version__
-from otel_kvcache.wiring.resource import handed_down_attributes, process_role
+from otel_kvcache.wiring.resource import handed_down_attributes
 
 _logger = logging.getLogger(__name__)
 
@@ -41,7 +41,9 @@ def reports_devices() -> bool:
     setting = config.device_metrics()
     if setting != "auto":
         return setting == "always"
-    return process_role() in (None, names.ROLE_API_SERVER)
+    # vLLM's first process (or one vLLM did not start): its children all have a role handed
+    # down, the API servers and the DP coordinator it starts too.
+    return not handed_down_attributes()
 
 
 class _CachedReader:

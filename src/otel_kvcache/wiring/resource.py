@@ -4,7 +4,8 @@ vLLM runs an API server, one EngineCore per data-parallel rank and worker
 processes. A spawned child initializes the OpenTelemetry SDK at interpreter
 start, before it knows what it will become, so its parent names it: when vLLM
 starts one of its processes, the child's environment gets ``vllm.process.role``
-and ``vllm.engine.index`` (``vllm.worker.rank`` for workers) in
+and ``vllm.engine.index`` (``vllm.worker.rank`` for workers, ``vllm.api_server.index``
+for the API servers it starts beside its first process) in
 ``OTEL_KVCACHE_VLLM_PROCESS``. ``VLLMResourceDetector`` reads them back, typed,
 and adds ``process.pid`` and the default ``service.name`` of ``vllm``;
 ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` still win.
@@ -73,10 +74,6 @@ def process_attributes() -> dict[str, str | int]:
     if not attributes and _is_api_server(sys.orig_argv):
         attributes[names.PROCESS_ROLE] = names.ROLE_API_SERVER
     return attributes
-
-
-def process_role() -> str | None:
-    return process_attributes().get(names.PROCESS_ROLE)
 
 
 class VLLMResourceDetector(ResourceDetector):

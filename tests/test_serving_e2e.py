@@ -372,9 +372,13 @@ def test_metrics_arrive_from_the_engine_core_process_with_its_identity(server, s
     assert api_server == {server.process.pid}
     workers = {r.get(names.WORKER_RANK) for r, _ in sink.spans() if r.get(names.PROCESS_ROLE) == names.ROLE_WORKER}
     assert workers == {0}
-    # The KV spans were built by the EngineCore's helper process, which speaks for it.
+    # The KV spans and the per-request histograms were built by the EngineCore's helper
+    # process, which speaks for it: one resource, as a dashboard summing by instance needs.
     kv_resources = wait_for(lambda: [r for r, s in sink.spans() if s.name == names.KV_REQUEST_SPAN])
-    assert {r["process.pid"] for r in kv_resources} == {engine_core["process.pid"]}
+    histogram_resources = wait_for(lambda: [r for r, _ in sink.metrics(names.REQUEST_BLOCKS)])
+    for helper_resource in (*kv_resources, *histogram_resources):
+        assert helper_resource["process.pid"] == engine_core["process.pid"]
+        assert helper_resource["service.instance.id"] == engine_core["service.instance.id"]
     [limit] = {p.as_int for _, m in sink.metrics(names.BLOCKS_LIMIT) for p in m.gauge.data_points}
     assert limit == server.config.num_blocks - 1
 

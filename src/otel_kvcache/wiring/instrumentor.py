@@ -10,7 +10,6 @@ so that the commands start without the instrumentation's imports.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Collection
 from typing import Any
@@ -62,15 +61,11 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
                 wait_for_helpers_at_exit()
 
             def exporter_for():
-                from opentelemetry.sdk.resources import PROCESS_PID
-
                 from otel_kvcache.export.exporter_process import ExporterProcess
-                from otel_kvcache.wiring.resource import process_attributes
+                from otel_kvcache.wiring.resource import engine_identity
 
-                # The helper speaks for this EngineCore: same role, same pid.
-                return ExporterProcess(
-                    {**process_attributes(), PROCESS_PID: os.getpid()}, errors, instruments.telemetry_dropped
-                )
+                # The helper speaks for this EngineCore: same role, pid and service instance.
+                return ExporterProcess(engine_identity(), errors, instruments.telemetry_dropped)
 
         else:
             in_process = RequestExporter(tracer, RequestHistograms(meter))

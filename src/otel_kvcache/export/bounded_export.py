@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
@@ -94,7 +94,7 @@ class ByteBoundedSpanExporter(SpanExporter):
             size = encoded_size([span])  # with its resource and scope: an upper bound of its share
             if size > self.max_bytes:
                 lost += 1
-                self._warn_once("too large", f"a span of {size} bytes is larger than "
+                self._warn_once("too large", lambda: f"a span of {size} bytes is larger than "
                                 f"{config.EXPORT_MAX_BYTES}={self.max_bytes} alone; it is dropped")  # fmt: skip
                 continue
             if run and run_bytes + size > self.max_bytes:
@@ -113,20 +113,20 @@ class ByteBoundedSpanExporter(SpanExporter):
         """Spans lost of those the exporter just failed to send: halves are sent again,
         while the receiver takes an empty export (it refused these, it is not down)."""
         if self.exporter.export([]) is not SpanExportResult.SUCCESS:
-            self._warn_once("takes nothing", _taking_nothing())
+            self._warn_once("takes nothing", _taking_nothing)  # connects to it: only when first said
             return len(spans)
         if len(spans) == 1:
-            self._warn_once("refused", "the receiver refused a span even alone; it is dropped")
+            self._warn_once("refused", lambda: "the receiver refused a span even alone; it is dropped")
             return 1
         middle = len(spans) // 2
         return sum(self._send_fitting(half) for half in (spans[:middle], spans[middle:]))
 
     @staticmethod
-    def _warn_once(kind: str, what: str) -> None:
+    def _warn_once(kind: str, describe: Callable[[], str]) -> None:
         if (os.getpid(), kind) not in _warned:
             _warned.add((os.getpid(), kind))
             _logger.warning(
-                "otel-kvcache: %s and counted in %s (logged once per process)", what, names.TELEMETRY_DROPPED
+                "otel-kvcache: %s and counted in %s (logged once per process)", describe(), names.TELEMETRY_DROPPED
             )
 
     def shutdown(self) -> None:

@@ -7,9 +7,9 @@ Which process reports what:
 - processes where torch has initialised CUDA (vLLM's workers): the caching
   allocator's allocated, reserved and unallocated bytes, retries and OOMs;
 - one process per vLLM instance (its first process, the API server, or a
-  process vLLM did not start): the devices themselves (``hw.gpu.*``), so they are not reported
-  once per process. ``OTEL_KVCACHE_GPU_DEVICE_METRICS`` = ``auto`` (that
-  default), ``always`` or ``never`` overrides it.
+  process vLLM did not start): the devices themselves (``hw.gpu.*``), so
+  they are not reported once per process. ``OTEL_KVCACHE_GPU_DEVICE_METRICS``
+  = ``auto`` (that default), ``always`` or ``never`` overrides it.
 """
 
 from __future__ import annotations

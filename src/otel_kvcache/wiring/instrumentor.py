@@ -7,7 +7,6 @@ imported (``hooks.LazyPatcher``). The package root names it without importing it
 so that the commands start without the instrumentation's imports.
 """
 
-
 from __future__ import annotations
 
 import sys

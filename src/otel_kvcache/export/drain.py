@@ -28,9 +28,9 @@ WAIT_SECONDS = 22.0
 
 def wait_for_helpers_at_exit() -> None:
     """In vLLM's first process: make the lock file, name it to the children, wait at exit."""
-    if LOCK_VARIABLE in os.environ:  # instrumented again, or a child of a process that waits already
-        return
     path = os.path.join(tempfile.gettempdir(), f"otel-kvcache-helpers-{os.getpid()}.lock")
+    if os.environ.get(LOCK_VARIABLE) == path:  # instrumented again: one wait is enough
+        return
     open(path, "a").close()
     os.environ[LOCK_VARIABLE] = path
     atexit.register(_wait_for_helpers, path)

@@ -1,6 +1,8 @@
-"""Words that are true when spans cannot be delivered: a collector nobody listens at is
-unreachable, named, once per process; one that answers with an error is that error; and
-``doctor`` connects to the endpoint it reports. Real OTLP/gRPC exporters, a real receiver."""
+"""A collector that is gone: the spans made meanwhile are held, bounded in bytes and in
+time, and delivered once it is back, each once; what the bounds drop is counted, exactly.
+The words are true: a collector nobody listens at is unreachable, named, once per
+process; one that answers with an error is that error; and ``doctor`` connects to the
+endpoint it reports. Real OTLP/gRPC exporters, a real receiver, stopped and started."""
 
 from __future__ import annotations
 
@@ -9,13 +11,15 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from demo.otlp_sink import OTLPSink
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import TracerProvider
 
-from otel_kvcache.export.bounded_export import ByteBoundedSpanExporter
+from otel_kvcache.export.bounded_export import encoded_size
+from otel_kvcache.export.held_spans import HoldingSpanExporter
 
 pytestmark = pytest.mark.vllm_independent  # the SDK's exporters and ours: the default environment runs it
 
@@ -35,19 +39,43 @@ def spans(count: int) -> list:
     return made
 
 
-def export_to(endpoint: str, monkeypatch, caplog) -> list[str]:
-    """Two batches and a lone span through a bounded exporter configured from the
-    environment, as the helper's is; what otel-kvcache logged."""
+class Lost:
+    """An ``on_lost``: the spans the exporter dropped."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, count: int) -> None:
+        self.count += count
+
+
+def exporter_to(endpoint: str, monkeypatch, **bounds) -> tuple[HoldingSpanExporter, Lost]:
+    """A holding exporter configured from the environment, as the helper's is; retries
+    every fifth of a second."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")  # the SDK's retries give up within a second
     monkeypatch.setattr("otel_kvcache.export.bounded_export._warned", set())
-    exporter = ByteBoundedSpanExporter(OTLPSpanExporter())
-    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
-        lost = [exporter.send(batch) for batch in (spans(3), spans(2), spans(1))]
-    exporter.shutdown()
-    assert lost == [3, 2, 1]
+    lost = Lost()
+    return HoldingSpanExporter(OTLPSpanExporter(), lost, first_interval=0.2, most_interval=0.2, **bounds), lost
+
+
+def ids(spans_sent) -> list[int]:
+    return [span.context.span_id for span in spans_sent]
+
+
+def arrived(sink: OTLPSink) -> list[int]:
+    return [int.from_bytes(span.span_id, "big") for _, span in sink.spans()]
+
+
+def said(caplog) -> list[str]:
     return [record.getMessage() for record in caplog.records if record.name.startswith("otel_kvcache")]
+
+
+def wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
@@ -57,19 +85,92 @@ def export_to(endpoint: str, monkeypatch, caplog) -> list[str]:
 )
 def test_a_collector_nobody_listens_at_is_unreachable_once_per_process(endpoint, reason, monkeypatch, caplog):
     endpoint = endpoint or closed_endpoint()
-    (said,) = export_to(endpoint, monkeypatch, caplog)
-    assert f"the collector at {endpoint} is unreachable ({reason})" in said, said
-    assert "logged once per process" in said and "refused" not in said.replace("connection refused", "")
+    exporter, lost = exporter_to(endpoint, monkeypatch, hold_seconds=60)
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        for batch in (spans(3), spans(2), spans(1)):
+            exporter.export(batch)
+        assert exporter.held == 6 and lost.count == 0
+        exporter.shutdown(timeout=0.5)
+    assert lost.count == 6 and exporter.held == 0  # what the exit left held is counted
+    (held, at_exit) = said(caplog)
+    assert f"the collector at {endpoint} is unreachable ({reason}); spans are held" in held, held
+    assert "refused" not in held.replace("connection refused", "") and "logged once per process" in held
+    assert "6 held spans could not be sent before the exit" in at_exit, at_exit
 
 
 def test_a_collector_that_answers_with_an_error_is_not_called_unreachable(monkeypatch, caplog):
     sink = OTLPSink(refuse=True).start()  # answers every export with PERMISSION_DENIED
+    exporter, lost = exporter_to(sink.endpoint, monkeypatch)
     try:
-        (said,) = export_to(sink.endpoint, monkeypatch, caplog)
+        with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+            for batch in (spans(3), spans(2), spans(1)):
+                exporter.export(batch)
     finally:
+        exporter.shutdown()
         sink.stop()
-    assert f"the collector at {sink.endpoint} answers but took no spans" in said, said
-    assert sink.refused == 3 + 2 + 1  # each span refused once: not sent again in halves
+    (words,) = said(caplog)
+    assert f"the collector at {sink.endpoint} answers but took no spans" in words, words
+    assert sink.refused == 3 + 2 + 1  # each span refused once: neither held nor sent again in halves
+    assert lost.count == 6 and exporter.held == 0
+
+
+def test_spans_made_while_the_collector_is_gone_arrive_once_it_is_back(monkeypatch, caplog):
+    """The collector stops and comes back on its port; in between, batches keep coming.
+    Every span arrives once, in order of its batch, and nothing is counted lost."""
+    first = OTLPSink().start()
+    exporter, lost = exporter_to(first.endpoint, monkeypatch)
+    before = spans(4)
+    exporter.export(before)
+    first.stop()
+    during = [spans(5) for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        for batch in during:
+            exporter.export(batch)
+    assert exporter.held == 15
+    second = OTLPSink(port=first.port).start()
+    try:
+        wait_until(lambda: exporter.held == 0, 30)
+        exporter.export(after := spans(2))
+    finally:
+        exporter.shutdown()
+        second.stop()
+    assert arrived(first) == ids(before)
+    assert arrived(second) == ids([span for batch in during for span in batch]) + ids(after)
+    assert lost.count == 0
+    (words,) = said(caplog)
+    assert f"the collector at {first.endpoint} is unreachable (connection refused); spans are held" in words
+
+
+def test_what_overflows_the_bytes_held_is_dropped_and_counted(monkeypatch):
+    """Room for two batches of five: the third is dropped whole, the first two arrive."""
+    endpoint = closed_endpoint()
+    batches = [spans(5) for _ in range(3)]
+    room = encoded_size(batches[0]) + encoded_size(batches[1])
+    exporter, lost = exporter_to(endpoint, monkeypatch, hold_bytes=room)
+    for batch in batches:
+        exporter.export(batch)
+    assert (exporter.held, lost.count) == (10, 5)
+    sink = OTLPSink(port=int(endpoint.rsplit(":", 1)[1])).start()
+    try:
+        wait_until(lambda: exporter.held == 0, 30)
+    finally:
+        exporter.shutdown()
+        sink.stop()
+    assert arrived(sink) == ids(batches[0] + batches[1])
+    assert lost.count == 5
+
+
+def test_spans_held_longer_than_the_time_are_dropped_and_counted(monkeypatch):
+    exporter, lost = exporter_to(closed_endpoint(), monkeypatch, hold_seconds=3)
+    exporter.export(spans(3))
+    time.sleep(2)  # each try takes the SDK's second: the sender looks at the times between them
+    exporter.export(spans(2))
+    wait_until(lambda: lost.count == 3, 10)
+    assert (exporter.held, lost.count) == (2, 3)  # the older batch outlived the time; the newer is held
+    wait_until(lambda: lost.count == 5, 10)
+    assert (exporter.held, lost.count) == (0, 5)
+    exporter.shutdown(timeout=0)
+    assert lost.count == 5  # nothing counted twice
 
 
 def doctor_line(endpoint: str) -> tuple[int, str]:

@@ -65,6 +65,12 @@ CLIENT_VALUE_LENGTH_LIMIT = "OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT"
 least 16 (default 256); longer ones are cut (``bounds.py``)."""
 EXPORT_MAX_BYTES = "OTEL_KVCACHE_EXPORT_MAX_BYTES"
 """Most bytes in one span export request (default 3 MiB, under a collector's default 4 MiB)."""
+EXPORT_HOLD_BYTES = "OTEL_KVCACHE_EXPORT_HOLD_BYTES"
+"""Most bytes of spans held, per exporter, while the collector takes nothing (default 64 MiB;
+0 holds none)."""
+EXPORT_HOLD_SECONDS = "OTEL_KVCACHE_EXPORT_HOLD_SECONDS"
+"""Longest a span is held while the collector takes nothing (default 300, the Collector's
+own exporters' retry time)."""
 
 BAGGAGE_KEYS = "OTEL_KVCACHE_BAGGAGE_KEYS"
 """Comma-separated W3C baggage keys (``tenant.id``, say) copied onto each request's span
@@ -149,6 +155,14 @@ def export_max_bytes() -> int:
     return env_int(EXPORT_MAX_BYTES, 3 << 20, minimum=1 << 16)
 
 
+def export_hold_bytes() -> int:
+    return env_int(EXPORT_HOLD_BYTES, 64 << 20, minimum=0)
+
+
+def export_hold_seconds() -> float:
+    return env_float(EXPORT_HOLD_SECONDS, 300.0)
+
+
 _BAGGAGE_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """A W3C baggage key: an HTTP token."""
 
@@ -219,6 +233,8 @@ def check_all() -> None:
         fastapi_exclude_spans,
         client_value_length_limit,
         export_max_bytes,
+        export_hold_bytes,
+        export_hold_seconds,
         baggage_keys,
         attribution,
         attribution_limit,

@@ -333,8 +333,9 @@ STAGE_HELPER_QUEUE: Final = "helper_queue"
 STAGE_HELPER_DIED: Final = "helper_died"
 """Handed to a helper that died before exporting them, or while none could be started."""
 STAGE_EXPORT: Final = "export"
-"""Refused by the exporter, or not delivered (the collector down past the exporter's retries),
-or alone larger than ``OTEL_KVCACHE_EXPORT_MAX_BYTES``."""
+"""Refused by the collector; held through its outage past ``OTEL_KVCACHE_EXPORT_HOLD_SECONDS``,
+beyond ``OTEL_KVCACHE_EXPORT_HOLD_BYTES``, or at the process's exit; or alone larger than
+``OTEL_KVCACHE_EXPORT_MAX_BYTES``."""
 
 # --- otel-kvcache top: the live snapshot each engine publishes (docs/top.md) ---------
 

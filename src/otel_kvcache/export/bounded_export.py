@@ -10,20 +10,16 @@ value, or a batch of long spans, cost everyone in it their span.
 
 - It sends no request over ``OTEL_KVCACHE_EXPORT_MAX_BYTES`` (3 MiB). A batch is
   measured as OTLP encodes it, once. A larger one is cut into runs of spans that
-  fit, each span measured alone; a span larger than that alone is dropped and counted.
-- A batch the exporter fails to send is sent again in halves, down to single
-  spans, while the receiver takes an empty export: then the receiver refused
-  what it was sent, and only the spans refused even alone are lost. A receiver
-  that takes nothing (down, or refusing us) loses the batch whole, as before,
-  and is not asked again; the log says which, naming the endpoint
-  (``collector.py``).
+  fit, each span measured alone; a span larger than that alone is lost.
+- A batch the exporter fails to send, to a collector that cannot be reached
+  (nothing accepts a connection at its endpoint: ``collector.py``), is handed
+  back with every span not yet sent, for ``held_spans.py`` to hold until it is back.
+- A collector that can be reached and fails a batch is sent it again in halves,
+  down to single spans, while it takes an empty export: then it refused what it
+  was sent, and only the spans refused even alone are lost. One that takes
+  nothing, not even an empty export, answers with an error of its own (the
+  OpenTelemetry exporter logs it): the batch is lost whole.
 - Each kind of loss is logged once per process, however many exporters it has.
-- What ``export`` loses is counted in ``otel_kvcache.telemetry.dropped`` (stage
-  ``export``); ``send`` returns it instead, for the helper to acknowledge.
-
-The helper's span pipeline uses it (``helper.py``), and so does every process
-the configurator sets up, through the batch span processor (``distro.py``), for
-FastAPI's spans in the API server among others.
 
 The OTLP gRPC exporter is told to retry only what the OTLP specification calls
 retryable (``retry_as_otlp_specifies``): RESOURCE_EXHAUSTED is retryable there
@@ -35,13 +31,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_kvcache import config, names
-from otel_kvcache.errors import count_dropped
 from otel_kvcache.export.collector import span_endpoint, unreachable
 
 _logger = logging.getLogger(__name__)
@@ -65,69 +61,85 @@ def encoded_size(spans: Sequence[ReadableSpan]) -> int:
     return encode_spans(spans).ByteSize()
 
 
-class ByteBoundedSpanExporter(SpanExporter):
+class Sent(NamedTuple):
+    """What one ``send`` did not deliver."""
+
+    lost: int
+    """Spans refused even alone, or too large alone."""
+    unsent: list[ReadableSpan]
+    """Spans not sent because the collector cannot be reached, in order: to be sent again."""
+
+
+class ByteBoundedSpanExporter:
     """Exports through ``exporter`` in requests of at most ``max_bytes``, losing only the
     spans that cannot be sent alone."""
 
     def __init__(self, exporter: SpanExporter, max_bytes: int | None = None) -> None:
         self.exporter = exporter
         self.max_bytes = config.export_max_bytes() if max_bytes is None else max_bytes
+        self.unreachable = ""
+        """Why the collector could not be reached, when it last could not."""
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lost = self.send(list(spans))
-        if not lost:
-            return SpanExportResult.SUCCESS
-        try:
-            count_dropped(lost, names.STAGE_EXPORT)
-        except Exception:  # noqa: BLE001 - the SDK's export thread must not fail because of us
-            _logger.debug("otel-kvcache: could not count dropped spans", exc_info=True)
-        return SpanExportResult.FAILURE
-
-    def send(self, spans: list[ReadableSpan]) -> int:
-        """Exports ``spans``; how many were lost (not counted here: ``export`` counts)."""
+    def send(self, spans: list[ReadableSpan]) -> Sent:
+        """Exports ``spans``: how many were lost, and those not sent because the collector
+        cannot be reached."""
         if not spans:
-            return 0
+            return Sent(0, [])
         if encoded_size(spans) <= self.max_bytes:
-            return self._send_fitting(spans)
-        lost, run, run_bytes = 0, [], 0
+            runs, lost = [spans], 0
+        else:
+            runs, lost = self._fitting_runs(spans)
+        for index, run in enumerate(runs):
+            refused = self._send_fitting(run)
+            if refused is None:
+                return Sent(lost, [span for later in runs[index:] for span in later])
+            lost += refused
+        return Sent(lost, [])
+
+    def _fitting_runs(self, spans: list[ReadableSpan]) -> tuple[list[list[ReadableSpan]], int]:
+        """``spans`` cut into runs of at most ``max_bytes``, and how many are too large alone."""
+        runs, lost, run, run_bytes = [], 0, [], 0
         for span in spans:
             size = encoded_size([span])  # with its resource and scope: an upper bound of its share
             if size > self.max_bytes:
                 lost += 1
-                self._warn_once("too large", lambda: f"a span of {size} bytes is larger than "
-                                f"{config.EXPORT_MAX_BYTES}={self.max_bytes} alone; it is dropped")  # fmt: skip
+                warn_once("too large", lambda: f"a span of {size} bytes is larger than "
+                          f"{config.EXPORT_MAX_BYTES}={self.max_bytes} alone; it is dropped")  # fmt: skip
                 continue
             if run and run_bytes + size > self.max_bytes:
-                lost += self._send_fitting(run)
+                runs.append(run)
                 run, run_bytes = [], 0
             run.append(span)
             run_bytes += size
-        return lost + (self._send_fitting(run) if run else 0)
+        return runs + ([run] if run else []), lost
 
-    def _send_fitting(self, spans: list[ReadableSpan]) -> int:
+    def _send_fitting(self, spans: list[ReadableSpan]) -> int | None:
+        """Spans lost of ``spans``; None when the collector cannot be reached (none were sent)."""
         if self.exporter.export(spans) is SpanExportResult.SUCCESS:
             return 0
+        endpoint, _ = span_endpoint()
+        reason = unreachable(endpoint)
+        if reason is not None:
+            self.unreachable = f"the collector at {endpoint} is unreachable ({reason})"
+            return None
+        if self.exporter.export([]) is not SpanExportResult.SUCCESS:
+            warn_once("takes nothing", lambda: f"the collector at {endpoint} answers but took no spans (the "
+                      "OpenTelemetry exporter logs its error); spans sent meanwhile are dropped")  # fmt: skip
+            return len(spans)
         return self._refused(spans)
 
     def _refused(self, spans: list[ReadableSpan]) -> int:
-        """Spans lost of those the exporter just failed to send: halves are sent again,
-        while the receiver takes an empty export (it refused these, it is not down)."""
-        if self.exporter.export([]) is not SpanExportResult.SUCCESS:
-            self._warn_once("takes nothing", _taking_nothing)  # connects to it: only when first said
-            return len(spans)
+        """Spans lost of those a receiver that takes an empty export refused: halves are
+        sent again, down to single spans."""
         if len(spans) == 1:
-            self._warn_once("refused", lambda: "the receiver refused a span even alone; it is dropped")
+            warn_once("refused", lambda: "the receiver refused a span even alone; it is dropped")
             return 1
         middle = len(spans) // 2
-        return sum(self._send_fitting(half) for half in (spans[:middle], spans[middle:]))
-
-    @staticmethod
-    def _warn_once(kind: str, describe: Callable[[], str]) -> None:
-        if (os.getpid(), kind) not in _warned:
-            _warned.add((os.getpid(), kind))
-            _logger.warning(
-                "otel-kvcache: %s and counted in %s (logged once per process)", describe(), names.TELEMETRY_DROPPED
-            )
+        lost = 0
+        for half in (spans[:middle], spans[middle:]):
+            if self.exporter.export(half) is not SpanExportResult.SUCCESS:
+                lost += self._refused(half)
+        return lost
 
     def shutdown(self) -> None:
         self.exporter.shutdown()
@@ -136,19 +148,11 @@ class ByteBoundedSpanExporter(SpanExporter):
         return self.exporter.force_flush(timeout_millis)
 
 
-def _taking_nothing() -> str:
-    """Why a receiver took nothing, as far as connecting to it tells."""
-    endpoint, _ = span_endpoint()
-    reason = unreachable(endpoint)
-    if reason is not None:
-        return f"the collector at {endpoint} is unreachable ({reason}); spans sent meanwhile are dropped"
-    return (
-        f"the collector at {endpoint} answers but took no spans (the OpenTelemetry exporter logs its error); "
-        "spans sent meanwhile are dropped"
-    )
-
-
-def byte_bounded_batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
-    """The SDK's batch span processor, exporting through ``ByteBoundedSpanExporter``: the
-    configurator's ``export_span_processor`` (``distro.py``)."""
-    return BatchSpanProcessor(ByteBoundedSpanExporter(exporter))
+def warn_once(kind: str, describe: Callable[[], str], counted: bool = True) -> None:
+    """Logs what ``describe`` says of ``kind`` (a loss, counted, unless told otherwise) the
+    first time this process meets it, a forked child's too."""
+    if (os.getpid(), kind) in _warned:
+        return
+    _warned.add((os.getpid(), kind))
+    counted_in = f" and counted in {names.TELEMETRY_DROPPED}" if counted else ""
+    _logger.warning("otel-kvcache: %s%s (logged once per process)", describe(), counted_in)

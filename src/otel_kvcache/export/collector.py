@@ -54,3 +54,4 @@ def unreachable(endpoint: str, timeout: float = CONNECT_SECONDS) -> str | None:
         return f"no answer in {timeout:g} s"
     except OSError as exc:
         return (exc.strerror or str(exc)).lower()
+

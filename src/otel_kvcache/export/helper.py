@@ -7,19 +7,20 @@ shutdown SIGKILLs the EngineCore's whole process tree (at once, with the default
 the helper is in neither, so the records the engine handed over still reach the
 backend. It then exits on its own: when its stdin closes (the engine is gone),
 or at the latest ``SHUTDOWN_SECONDS`` after the engine process ended, whatever
-the collector does.
+the collector does: what it still holds then is dropped and counted.
 
 It builds spans with its own tracer provider (the configured provider's
 resource and sampler) and exports them itself, all the frames the engine has
 written by then at a time, with the
 exporters ``OTEL_TRACES_EXPORTER`` names, in requests bounded in bytes
-(``bounded_export.py``), rather than through a batch span processor whose
-queue drops without telling anyone. So it knows what reached the exporter and
-what did not, and tells the engine on its stdout after each batch: ``pid
-records-done spans-failed``, cumulative. The engine counts the failed spans,
-and what a dead helper took with it, from that (``otel_kvcache.telemetry.dropped``).
-Once the engine can no longer read it (it exited), the helper counts the spans
-it fails to export itself.
+(``bounded_export.py``) and held through a collector's outage (``held_spans.py``),
+rather than through a batch span processor whose queue drops without telling
+anyone. So it knows what was lost and what was not, and tells the engine on its
+stdout after each batch: ``pid records-done spans-failed``, cumulative (a record is
+done once its span is sent or held; a held span that is dropped later is failed
+from the next line on). The engine counts the failed spans, and what a dead helper
+took with it, from that (``otel_kvcache.telemetry.dropped``). Once the engine can no
+longer read it (it exited), the helper counts the spans it fails to export itself.
 
 The histograms and the finding logs go through the SDK configured from the
 environment, as ``opentelemetry-instrument`` configures it.
@@ -40,8 +41,9 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from otel_kvcache import names
 from otel_kvcache.errors import count_dropped
-from otel_kvcache.export.bounded_export import ByteBoundedSpanExporter, retry_as_otlp_specifies
+from otel_kvcache.export.bounded_export import retry_as_otlp_specifies
 from otel_kvcache.export.exporter_process import read_batches
+from otel_kvcache.export.held_spans import HoldingSpanExporter
 from otel_kvcache.export.miss_reasons import MissReasonsFromTheEngine
 from otel_kvcache.export.spans import Finding, RequestExporter, RequestHistograms
 from otel_kvcache.names import METER_SCOPE
@@ -52,6 +54,8 @@ _logger = logging.getLogger(__name__)
 SHUTDOWN_SECONDS = 20.0
 """After the engine is gone: the most time left to export what it handed over (one OTLP
 export alone may take the exporter's timeout, 10 s by default; Kubernetes gives a pod 30 s)."""
+SHUTDOWN_MARGIN_SECONDS = 2.0
+"""Of ``SHUTDOWN_SECONDS``: left to count what is still held and flush the counter, before the deadline."""
 EXPORT_BATCH = 512
 """Spans per export call (the batch span processor's default batch)."""
 
@@ -68,14 +72,20 @@ class _Collected(SpanProcessor):
 
 
 class SpanPipeline:
-    """A tracer whose spans are exported when asked, with the count of those that failed."""
+    """A tracer whose spans are exported when asked, with the count of those lost."""
 
     def __init__(self, provider: TracerProvider, exporters: list[SpanExporter]) -> None:
         self._collected = _Collected()
         provider.add_span_processor(self._collected)
         self.tracer = provider.get_tracer(METER_SCOPE, __version__)
-        self._exporters = [ByteBoundedSpanExporter(exporter) for exporter in exporters]
+        self._exporters = [HoldingSpanExporter(exporter, self._lost) for exporter in exporters]
+        self._failed_lock = threading.Lock()
         self.failed = 0
+        """Spans lost so far: refused, or dropped from what was held (the holding exporters' threads add)."""
+
+    def _lost(self, count: int) -> None:
+        with self._failed_lock:
+            self.failed += count
 
     @classmethod
     def from_environment(cls) -> SpanPipeline:
@@ -99,14 +109,20 @@ class SpanPipeline:
             batch = spans[start : start + EXPORT_BATCH]
             for exporter in self._exporters:
                 try:
-                    self.failed += exporter.send(batch)
+                    exporter.export(batch)
                 except Exception:  # noqa: BLE001 - counted as lost, as the SDK's processor would drop them
                     _logger.exception("otel-kvcache: the span exporter raised")
-                    self.failed += len(batch)
+                    self._lost(len(batch))
 
-    def shutdown(self) -> None:
+    def abandon(self) -> int:
+        """Drops what the exporters hold, uncounted: how many spans."""
+        return sum(exporter.abandon() for exporter in self._exporters)
+
+    def shutdown(self, timeout: float) -> None:
+        """Gives what the exporters hold ``timeout`` seconds, all together, then counts the rest as failed."""
+        deadline = time.monotonic() + timeout
         for exporter in self._exporters:
-            exporter.shutdown()
+            exporter.shutdown(max(0.0, deadline - time.monotonic()))
 
 
 class _Acknowledgements:
@@ -137,17 +153,19 @@ class _Acknowledgements:
 
 
 class _Progress:
-    """Records this helper took from the engine, and those it is done with."""
+    """Records this helper took from the engine, and those it is done with (sent or held)."""
 
     taken = 0
     done = 0
+    pipeline: SpanPipeline | None = None
 
 
 def _exit_by_deadline_once_gone(engine_pid: int, stdin_closed: threading.Event, progress: _Progress) -> None:
     """Waits for the engine process to end (or the pipe to close), then gives the main
     thread ``SHUTDOWN_SECONDS`` to export, and ends the process if it is still busy
     (an unreachable collector, or a pipe that another process still holds open),
-    counting what it took and could not export (``helper_queue``)."""
+    counting what it took and could not export (``helper_queue``), and the spans it
+    still held (``export``)."""
     try:
         handle = os.pidfd_open(engine_pid)
     except (AttributeError, OSError):  # not Linux 5.3+, or the engine is gone already
@@ -164,17 +182,20 @@ def _exit_by_deadline_once_gone(engine_pid: int, stdin_closed: threading.Event, 
             stdin_closed.wait(1.0)
     time.sleep(SHUTDOWN_SECONDS)
     lost = progress.taken - progress.done
+    held = progress.pipeline.abandon() if progress.pipeline is not None else 0
     _logger.warning(
         "otel-kvcache: the helper of engine process %d gives up %ss after the engine's exit; "
-        "%d records it took were not exported",
+        "%d records it took were not exported, and %d spans it held were not sent",
         engine_pid,
         SHUTDOWN_SECONDS,
         lost,
+        held,
     )
     try:
         from opentelemetry import metrics
 
         count_dropped(lost, names.STAGE_HELPER_QUEUE)
+        count_dropped(held, names.STAGE_EXPORT)
         provider = metrics.get_meter_provider()
         if hasattr(provider, "force_flush"):
             provider.force_flush(timeout_millis=1000)
@@ -233,9 +254,11 @@ def main(argv: list[str]) -> int:
         daemon=True,
     ).start()
     exporter, pipeline = _configured_exporter()
+    progress.pipeline = pipeline
     _export_batches(read_batches(sys.stdin.fileno()), exporter, pipeline, acks, progress)
     stdin_closed.set()  # the deadline runs from now
-    pipeline.shutdown()
+    pipeline.shutdown(SHUTDOWN_SECONDS - SHUTDOWN_MARGIN_SECONDS)
+    acks.send(progress.done, pipeline.failed)  # the engine is gone: counted here
     # The SDK's providers (histograms, logs) flush and shut down at exit.
     return 0
 

@@ -4,7 +4,8 @@ The distro sets the same defaults as ``opentelemetry-distro`` (OTLP over gRPC
 for traces, metrics and logs), enables the ``vllm`` resource detector, and
 has the OTLP gRPC exporters retry only what the OTLP specification calls
 retryable; every default yields to a variable the user set. The configurator
-bounds span exports in bytes (``bounded_export.py``). The distro also hands FastAPI's
+bounds span exports in bytes and holds them through a collector's outage
+(``held_spans.py``). The distro also hands FastAPI's
 instrumentation the ASGI spans ``OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS`` names:
 that instrumentation takes them only as an argument, which
 ``opentelemetry-instrument`` has no other way to pass.
@@ -24,7 +25,8 @@ from opentelemetry.sdk.environment_variables import (
 )
 
 from otel_kvcache import config
-from otel_kvcache.export.bounded_export import byte_bounded_batch_processor, retry_as_otlp_specifies
+from otel_kvcache.export.bounded_export import retry_as_otlp_specifies
+from otel_kvcache.export.held_spans import holding_batch_processor
 
 RESOURCE_DETECTOR = "vllm"
 """Entry-point name of ``otel_kvcache.wiring.resource.VLLMResourceDetector``."""
@@ -32,13 +34,13 @@ RESOURCE_DETECTOR = "vllm"
 
 class VLLMKVCacheConfigurator(_OTelSDKConfigurator):
     """The SDK's own configurator, registered under otel-kvcache's name, with span exports
-    bounded in bytes. Subclassing the SDK's private class is what ``opentelemetry-distro``
-    does too: there is no public one."""
+    bounded in bytes and held through a collector's outage. Subclassing the SDK's private
+    class is what ``opentelemetry-distro`` does too: there is no public one."""
 
     def _configure(self, **kwargs) -> None:
         # With a configuration file the SDK takes no arguments (it warns about any given).
         if not os.environ.get("OTEL_CONFIG_FILE") and _TAKES_EXPORT_SPAN_PROCESSOR:
-            kwargs.setdefault("export_span_processor", byte_bounded_batch_processor)
+            kwargs.setdefault("export_span_processor", holding_batch_processor)
         super()._configure(**kwargs)
 
 

@@ -1,6 +1,6 @@
 """The main job: serve a tiny model under `opentelemetry-instrument`, load it, read the telemetry back.
 
-    scripts/demo.sh [--short] [--out DIR] [--num-blocks N]
+    scripts/demo.sh [--short] [--out DIR] [--num-blocks N] [--keep-serving]
 
 ``scripts/demo.sh`` builds the environment first if it needs to, then runs
 ``python -m demo``. Spans and metrics go to OTLP JSON files in ``DIR/otlp``
@@ -17,11 +17,14 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 from rich.console import Console
 
@@ -69,6 +72,10 @@ and a collection seeing none of their requests hold blocks (one fell in a 20 ms 
 two) left the streaming clients, which stay until one does, to end on their own while the
 engine's collections lagged for seconds (CI, 2026-12-05): no holder in the table or chart."""
 
+SETTLE_SECONDS = 2.5
+"""With --keep-serving: how long the last exports are given before the results are read
+(as ``VLLMServer.stop`` gives them before it stops the server)."""
+
 SHORT_LOAD = LoadShape(chats=4, turns=3, chat_max_tokens=96, burst=4, burst_max_tokens=16, streams=2)
 
 DESCRIPTION = """\
@@ -76,7 +83,8 @@ The main job: makes a tiny random-weight llama, serves it with vLLM's OpenAI
 server on the CPU under opentelemetry-instrument, loads it (requests sharing one
 system prompt, multi-turn chats, streaming clients that leave mid-answer), then
 prints each request's KV span, the pool's metrics and the leak gate's verdict,
-and writes a picture of it all to DIR/report.html.
+and writes a picture of it all to DIR/report.html. With --keep-serving, vLLM
+then keeps serving, for otel-kvcache top and requests of your own, until Ctrl-C.
 scripts/demo.sh builds the environment (.venv) first if it needs to."""
 
 EPILOG = f"""\
@@ -153,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out"), metavar="DIR",
                         help="where the model, logs and OTLP files go, from where you stand (default: out)")
     parser.add_argument("--short", action="store_true", help="a shorter load, as CI runs it")
+    parser.add_argument("--keep-serving", action="store_true",
+                        help="after the load and its results, keep vLLM serving (and its telemetry going) until Ctrl-C")
     parser.add_argument("--num-blocks", type=int, default=64, metavar="N",
                         help=f"vLLM's KV blocks of {BLOCK_SIZE} tokens, one of them its null block "
                              f"(default: 64, a 63-block pool; at least {FEWEST_BLOCKS})")
@@ -204,14 +214,29 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM's own view, to read the table against: which requests its engine ended.
         time.sleep(1)  # the API server's stats trail the last responses
         metrics_text = server.metrics_text()
-        ended_in_engine = requests_ended_on_their_own(metrics_text)
-        vllm_hit_ratio = prefix_cache_hit_ratio(metrics_text)
+        vllm_says = VLLMSays(requests_ended_on_their_own(metrics_text), prefix_cache_hit_ratio(metrics_text))
+        if args.keep_serving:
+            time.sleep(SETTLE_SECONDS)  # the load's last spans and metrics reach the files
+            code = show_results(args, sent, top, vllm_says, collector, server, progress)
+            return serve_until_stopped(server, endpoint) or code
     finally:
         with progress.step("stopping vLLM; its processes flush their telemetry"):
             server.stop()
         if sink is not None:
             sink.stop()
+    return show_results(args, sent, top, vllm_says, collector, server, progress)
 
+
+class VLLMSays(NamedTuple):
+    """vLLM's own view of the load, from its /metrics."""
+
+    ended_in_engine: dict[str, int]
+    hit_ratio: float | None
+
+
+def show_results(args, sent, top, vllm_says: VLLMSays, collector, server, progress) -> int:
+    """Prints the load's telemetry, the leak gate's verdict and the commands to go further;
+    writes the report. 0 when every request has its span and the gate passes."""
     failed = [s for s in sent if s.status != 200]
     if failed:
         progress.note(f"{len(failed)} requests failed; see {server.log_path}")
@@ -235,11 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_holders(holders_summary(otlp / "metrics.jsonl", spans)))
     print()
     curve, free_scale = projected_curve(otlp / "metrics.jsonl")
-    print(format_curve(curve, free_scale, vllm_hit_ratio))
+    print(format_curve(curve, free_scale, vllm_says.hit_ratio))
     print()
-    ended = ", ".join(f"{reason} {count}" for reason, count in sorted(ended_in_engine.items()))
+    ended = ", ".join(f"{reason} {count}" for reason, count in sorted(vllm_says.ended_in_engine.items()))
     print(f"vLLM's /metrics, requests its engine ended (vllm:request_success_total): {ended or 'none'};")
-    print(f"  {aborted(len(sent) - sum(ended_in_engine.values()))}")
+    print(f"  {aborted(len(sent) - sum(vllm_says.ended_in_engine.values()))}")
     print(f"{len(spans)} KV spans for {len(sent)} requests; OTLP JSON in {otlp}/traces.jsonl and metrics.jsonl")
     print(f"leak gate ({command('otel-kvcache-gate', '--otlp-dir', otlp)}):")
     leaks = gate.main(["--otlp-dir", str(otlp)])
@@ -248,6 +273,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"report ({command('otel-kvcache', 'report', '--otlp-dir', otlp, '-o', report_path)}): {report_path}")
     return 0 if len(spans) == len(sent) and leaks == 0 else 1
 
+
+def serve_until_stopped(server: VLLMServer, endpoint: str) -> int:
+    """Says how to watch and use the server, then waits for SIGINT or SIGTERM (the server,
+    in a session of its own, gets neither from the terminal). 1 if vLLM exits first."""
+    request = json.dumps({"model": SERVED_MODEL_NAME, "prompt": "Who holds the KV cache?", "max_tokens": 32})
+    print()
+    print(f"vLLM keeps serving at {server.url} (model {SERVED_MODEL_NAME}), its telemetry going to {endpoint}.")
+    print(f"  watch its KV cache: {command('otel-kvcache', 'top')}")
+    print(f"  send it a request:  curl -s {server.url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d {shlex.quote(request)}")  # fmt: skip
+    print(f"  stop it: Ctrl-C here (or kill -INT {os.getpid()})", flush=True)
+    stopped = threading.Event()
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, lambda *_: stopped.set())
+    while not stopped.wait(1.0):
+        if server.process.poll() is not None:
+            print(f"vLLM exited with {server.process.returncode}; see {server.log_path}", flush=True)
+            return 1
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

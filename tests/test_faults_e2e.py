@@ -276,3 +276,46 @@ def test_vllms_first_process_waits_for_the_helpers_at_its_exit(tmp_path):
         sink.stop()
     assert len(received) == 6
     assert not (tempfile.gettempdir() / Path(f"otel-kvcache-helpers-{first_pid}.lock")).exists()
+
+
+OUTAGE_SECONDS = 45
+
+
+@pytest.mark.slow
+def test_a_collector_gone_for_45_s_while_requests_come_loses_no_span(tiny_model, tmp_path):
+    """The collector stops, requests keep coming for 45 s, and it comes back on its port:
+    every request's KV span arrives, once, with its parent (the API server's span, held
+    there as the KV span is in the helper), and nothing is counted as dropped."""
+    first = OTLPSink().start()
+    server = _serve(tiny_model, first, tmp_path)
+    try:
+        before = _burst(server, 6)
+        wait_for(lambda: len(kv_spans(first, [s.trace_id for s in before])) == len(before))
+        first.stop()
+        stopped, during = time.monotonic(), []
+        while time.monotonic() - stopped < OUTAGE_SECONDS:
+            during += _burst(server, 3)
+            time.sleep(2)
+        back = OTLPSink(port=first.port).start()
+        try:
+            after = _burst(server, 3)
+            late = [s.trace_id for s in during + after]
+            wait_for(lambda: len(kv_spans(back, late)) >= len(late), timeout=120)
+            # The engine's metrics reach the collector again, with its drop counter if it counted.
+            wait_for(lambda: any(True for _ in back.metrics(names.BLOCKS)), timeout=30)
+            time.sleep(2)  # one more export of every process's metrics
+        finally:
+            server.stop()
+            back.stop()
+    finally:
+        first.stop()
+    assert len(during) >= 30  # requests kept coming all along
+    for sink, sent in ((first, before), (back, during + after)):
+        arrived = kv_spans(sink, [s.trace_id for s in sent])
+        assert sorted(span.trace_id.hex() for _, span in arrived) == sorted(s.trace_id for s in sent)
+        parents = {span.span_id for _, span in sink.spans() if span.kind == span.SPAN_KIND_SERVER}
+        assert all(span.parent_span_id in parents for _, span in arrived), _what_otel_kvcache_said(tmp_path)
+    dropped = [point.as_int for sink in (first, back) for _, metric in sink.metrics(names.TELEMETRY_DROPPED)
+               for point in metric.sum.data_points]  # fmt: skip
+    assert not any(dropped), _what_otel_kvcache_said(tmp_path)
+    assert any("is unreachable (connection refused); spans are held" in line for line in _what_otel_kvcache_said(tmp_path))

@@ -1,6 +1,8 @@
 """README command 1 runs to completion, the table it prints is what the OTLP files hold,
 every KV span keeps its HTTP request's server span as parent, and the report it writes
-holds the table's totals and draws in a browser."""
+holds the table's totals and draws in a browser. The README's path past it: the main job
+keeps serving, and every command it prints (``top`` in a real terminal, a request, the
+gate, the report) runs as printed."""
 
 from __future__ import annotations
 
@@ -8,14 +10,20 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from demo.__main__ import SHORT_LOAD
 from demo.load import TENANTS
 from headless_chromium import open_and_check
+from test_top_terminal import capture, wait_for_screen
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -238,3 +246,77 @@ def test_a_vllm_that_cannot_start_is_said_in_the_line_vllm_gave_its_cause(tiny_m
         server.start()
     cause = vllm_failure(server.log_path)
     assert cause.split(":")[0].endswith("Error") and f"max_model_len ({1 << 20})" in cause, cause
+
+
+def _keep_serving_command() -> list[str]:
+    """The README's command that keeps the main job's server, as the README writes it."""
+    [written] = re.findall(r"`(scripts/demo\.sh --keep-serving)`", (REPO / "README.md").read_text())
+    return shlex.split(written)
+
+
+def _lines_until(process: subprocess.Popen, last: str, timeout: float) -> str:
+    """What ``process`` printed up to its line that starts with ``last``."""
+    lines: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if line.lstrip().startswith(last):
+                break
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert done.wait(timeout), "".join(lines)[-3000:]
+    return "".join(lines)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_the_readme_path_keeps_the_server_for_top_a_request_the_gate_and_the_report(tmp_path):
+    """From a directory outside the repository, with no environment active: the README's
+    keep-serving command (its short load); then, pasted as printed while vLLM serves, ``top``
+    live in a terminal, a request, the leak gate and the report; Ctrl-C stops vLLM."""
+    environment = _users_environment()
+    program, *arguments = _keep_serving_command()
+    demo = subprocess.Popen([str(REPO / program), *arguments, "--short", "--out", "out"], cwd=tmp_path,
+                            env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    session = f"otel-kvcache-readme-{os.getpid()}"
+    try:
+        printed = _lines_until(demo, "stop it:", timeout=600)
+        assert demo.poll() is None, printed[-3000:]
+        said = dict(re.findall(r"^\s*(watch its KV cache|send it a request): +(.*)$", printed, re.M))
+        said.update(re.findall(r"^(leak gate|report) \((.*)\)", printed, re.M))
+        url = re.search(r"vLLM keeps serving at (\S+) ", printed)[1]
+
+        answer = subprocess.run(["bash", "-c", said["send it a request"]], capture_output=True, text=True,
+                                timeout=120, env=environment, cwd=tmp_path)  # fmt: skip
+        assert json.loads(answer.stdout)["usage"]["prompt_tokens"] > 0, answer.stdout + answer.stderr
+
+        passed = {k: environment[k] for k in ("PATH", "HOME", "XDG_RUNTIME_DIR") if k in environment}
+        top = f"cd {shlex.quote(str(tmp_path))} && env -i TERM=xterm-256color " + " ".join(
+            f"{k}={shlex.quote(v)}" for k, v in passed.items()) + f" {said['watch its KV cache']}"  # fmt: skip
+        subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", top], check=True)
+        screen = wait_for_screen(session, lambda s: "tiny-llama" in s and "of 63 blocks" in s, timeout=60)
+        assert "engine 0" in screen, screen
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+
+        gate = subprocess.run(shlex.split(said["leak gate"]), capture_output=True, text=True, timeout=120,
+                              env=environment, cwd=tmp_path)  # fmt: skip
+        assert gate.returncode == 0 and "otel-kvcache gate: PASS" in gate.stdout, gate.stdout + gate.stderr
+        (tmp_path / "out" / "report.html").unlink()
+        report = subprocess.run(shlex.split(said["report"]), capture_output=True, text=True, timeout=300,
+                                env=environment, cwd=tmp_path)  # fmt: skip
+        assert report.returncode == 0 and (tmp_path / "out" / "report.html").stat().st_size > 0, report.stderr
+        with urllib.request.urlopen(url + "/health", timeout=10) as health:
+            assert health.status == 200  # still serving
+
+        demo.send_signal(signal.SIGINT)  # Ctrl-C, as the demo says
+        rest, _ = demo.communicate(timeout=120)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 0, rest[-3000:]
+    assert "stopping vLLM" in rest
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/health", timeout=5)

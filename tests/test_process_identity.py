@@ -138,7 +138,9 @@ def test_the_users_variables_win_and_a_handed_down_role_is_typed():
 
 def test_the_resource_tracker_started_beside_an_engine_core_is_not_an_engine(tmp_path):
     """The first spawn starts multiprocessing's resource tracker with the EngineCore's
-    attributes in the environment; the tracker is not vLLM's and takes no role."""
+    attributes in the environment; the tracker is not vLLM's and takes no role, and it is
+    not vLLM's first process either (it made a helpers' lock that outlived it: a data
+    parallel server, 2026-12-07)."""
     code = textwrap.dedent(
         """
         import json, multiprocessing, os
@@ -172,13 +174,19 @@ def test_the_resource_tracker_started_beside_an_engine_core_is_not_an_engine(tmp
     *_, program = tracker["argv"]
     probe = program.split(";")[0] + textwrap.dedent(
         """
-        import json, os
+        import json, os, tempfile
         from opentelemetry import trace
+        from otel_kvcache.gpu.instrumentor import reports_devices
+        lock = os.path.join(tempfile.gettempdir(), f"otel-kvcache-helpers-{os.getpid()}.lock")
         print(json.dumps({"resource": dict(trace.get_tracer_provider().resource.attributes),
-                          "pid": os.getpid(), "exporter": None}))
+                          "pid": os.getpid(), "exporter": None,
+                          "made_a_lock": os.path.exists(lock), "reports_devices": reports_devices()}))
         """
     )
-    seen = _resource_under_opentelemetry_instrument({PROCESS_ENVIRONMENT_VARIABLE: tracker["handed_down"]},
-                                                    code=probe)
+    seen = _resource_under_opentelemetry_instrument(
+        {PROCESS_ENVIRONMENT_VARIABLE: tracker["handed_down"], "OTEL_KVCACHE_EXPORTER_PROCESS": "on"}, code=probe
+    )
     assert names.PROCESS_ROLE not in seen["resource"] and names.ENGINE_INDEX not in seen["resource"]
     assert seen["resource"]["service.name"] == "vllm"
+    # Nor is it vLLM's first process: it waits for no helpers and reports no devices.
+    assert not seen["made_a_lock"] and not seen["reports_devices"]

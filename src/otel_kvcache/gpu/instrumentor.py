@@ -30,7 +30,7 @@ from otel_kvcache.gpu.allocator import AllocatorReading, TorchAllocatorSource
 from otel_kvcache.gpu.nvml import DeviceReading, NVMLSource
 from otel_kvcache.package import _instruments
 from otel_kvcache.version import __version__
-from otel_kvcache.wiring.resource import handed_down_attributes
+from otel_kvcache.wiring.resource import handed_down_attributes, is_vllms_first_process
 
 _logger = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ def reports_devices() -> bool:
     setting = config.device_metrics()
     if setting != "auto":
         return setting == "always"
-    # vLLM's first process (or one vLLM did not start): its children all have a role handed
-    # down, the API servers and the DP coordinator it starts too.
-    return not handed_down_attributes()
+    # vLLM's first process: its children all have a role handed down, the API servers and
+    # the DP coordinator it starts too.
+    return is_vllms_first_process()
 
 
 class _CachedReader:

@@ -30,7 +30,7 @@ from otel_kvcache.package import _instruments, _instruments_any
 from otel_kvcache.version import __version__
 from otel_kvcache.wiring.hooks import LazyPatcher
 from otel_kvcache.wiring.patch import build_wrappers, unpatch_connector_hooks
-from otel_kvcache.wiring.resource import handed_down_attributes
+from otel_kvcache.wiring.resource import is_vllms_first_process
 
 _SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
 
@@ -56,7 +56,7 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
         instruments = KVCacheInstruments(meter)
         errors = InstrumentationErrors(instruments.errors)
         if _exports_from_a_helper_process(given_providers=kwargs.get("tracer_provider") is not None):
-            if not handed_down_attributes():  # vLLM's first process: its engines' helpers outlive them
+            if is_vllms_first_process():  # its engines' helpers outlive them
                 wait_for_helpers_at_exit()
 
             def exporter_for():

@@ -67,6 +67,13 @@ def handed_down_attributes() -> dict[str, str | int]:
         return {}
 
 
+def is_vllms_first_process() -> bool:
+    """Started by no instrumented vLLM process (an API server, an ``LLM`` script), and none of
+    multiprocessing's own processes (its resource tracker or forkserver, which vLLM's first
+    process starts, and which inherit what it handed down to another child)."""
+    return not handed_down_attributes() and not _is_multiprocessings_own(sys.orig_argv)
+
+
 def process_attributes() -> dict[str, str | int]:
     """This process's vLLM role attributes: handed down, or the API server's own."""
     attributes = handed_down_attributes()

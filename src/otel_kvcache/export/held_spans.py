@@ -117,13 +117,13 @@ class HoldingSpanExporter(SpanExporter):
             return sum(len(held.spans) for held in self._all_held())
 
     def _all_held(self) -> list[_Held]:
-        return [*([self._sending] if self._sending else []), *self._held]
+        return [*([self._sending] if self._sending is not None else []), *self._held]
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if os.getpid() != self._pid:
             self._start_afresh()
         spans = list(spans)
-        if self._held or self._sending:  # keep the order: these go after what is held
+        if self._held or self._sending is not None:  # keep the order: these go after what is held
             lost = self._hold(spans, encoded_size(spans), time.monotonic())
         else:
             lost, unsent = self.bounded.send(spans)

@@ -7,8 +7,9 @@ as many at once as it schedules, for the whole run, so that the host's cores are
 busy. Meanwhile ``otel-kvcache top --once`` and ``--json`` are run as a user runs
 them (the console script), one after another, ``--rounds`` times each; with
 ``--before``, a source tree of another commit (its ``src``) runs beside, in
-alternate order, for a paired comparison. Each run's wall time is printed, with
-the host's CPU use over it.
+alternate order, for a paired comparison; and ``python -c pass``, for the wait any
+new process meets on that host. Each run's wall time and CPU time are printed,
+with the host's CPU use over it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,8 +40,12 @@ MAX_TOKENS = 800
 def keep_decoding(url: str, model: str, stop: threading.Event) -> None:
     async def one(client: httpx.AsyncClient, i: int) -> None:
         while not stop.is_set():
-            await client.post("/v1/completions", json={"model": model, "prompt": f"Request {i}: go on.",
-                                                       "max_tokens": MAX_TOKENS, "ignore_eos": True})  # fmt: skip
+            try:
+                await client.post("/v1/completions", json={"model": model, "prompt": f"Request {i}: go on.",
+                                                           "max_tokens": MAX_TOKENS, "ignore_eos": True})  # fmt: skip
+            except httpx.HTTPError as error:
+                print(f"load: {error!r}; again", file=sys.stderr, flush=True)
+                await asyncio.sleep(1)
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -48,16 +54,19 @@ def keep_decoding(url: str, model: str, stop: threading.Event) -> None:
     asyncio.run(run())
 
 
-def timed_top(arguments: list[str], source: str | None) -> tuple[float, float]:
-    """Seconds one ``otel-kvcache top`` took, and the host's CPU use meanwhile (%)."""
+def timed(command: list[str], source: str | None) -> tuple[float, float, float]:
+    """Seconds ``command`` took, the CPU seconds it used, and the host's CPU use meanwhile (%)."""
     environment = dict(os.environ)
     if source:
         environment["PYTHONPATH"] = source
     psutil.cpu_percent()
+    used_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run([str(Path(sys.executable).parent / "otel-kvcache"), "top", *arguments], env=environment,
-                   capture_output=True, check=True, timeout=600)  # fmt: skip
-    return time.perf_counter() - started, psutil.cpu_percent()
+    subprocess.run(command, env=environment, capture_output=True, check=True, timeout=600)
+    seconds = time.perf_counter() - started
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = used.ru_utime + used.ru_stime - used_before.ru_utime - used_before.ru_stime
+    return seconds, cpu_seconds, psutil.cpu_percent()
 
 
 def main() -> None:
@@ -76,15 +85,21 @@ def main() -> None:
     try:
         time.sleep(10)  # every request admitted and decoding
         trees = {"this tree": None, **({"before": args.before} if args.before else {})}
-        times: dict[tuple[str, str], list[float]] = {}
+        top = str(Path(sys.executable).parent / "otel-kvcache")
+        times: dict[str, list[tuple[float, float]]] = {}
         for round_ in range(args.rounds):
-            for mode in ("--once", "--json"):
-                for name, source in (trees.items() if round_ % 2 == 0 else reversed(trees.items())):
-                    seconds, cpu = timed_top([mode], source)
-                    times.setdefault((name, mode), []).append(seconds)
-                    print(f"round {round_} {name:9} top {mode:6} {seconds:6.2f} s  (host CPU {cpu:.0f} %)", flush=True)
-        for (name, mode), measured in sorted(times.items()):
-            print(f"{name:9} top {mode:6} median {statistics.median(measured):.2f} s, most {max(measured):.2f} s")
+            runs = [(f"{name} top {mode}", [top, "top", mode], source)
+                    for mode in ("--once", "--json") for name, source in trees.items()]  # fmt: skip
+            runs.append(("python -c pass", [sys.executable, "-c", "pass"], None))  # the host's own wait, for scale
+            for name, command, source in runs if round_ % 2 == 0 else reversed(runs):
+                seconds, cpu_seconds, cpu = timed(command, source)
+                times.setdefault(name, []).append((seconds, cpu_seconds))
+                print(f"round {round_} {name:24} {seconds:6.2f} s, {cpu_seconds:.2f} s of CPU (host CPU {cpu:.0f} %)",
+                      flush=True)  # fmt: skip
+        for name, measured in sorted(times.items()):
+            walls, cpus = zip(*measured)
+            print(f"{name:24} wall median {statistics.median(walls):5.2f} s, most {max(walls):5.2f} s; "
+                  f"CPU median {statistics.median(cpus):.2f} s")
     finally:
         stop.set()
         server.stop(settle=0)

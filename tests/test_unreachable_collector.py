@@ -58,7 +58,7 @@ def exporter_to(endpoint: str, monkeypatch, **bounds) -> tuple[HoldingSpanExport
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")  # the SDK's retries give up within a second
     monkeypatch.setattr("otel_kvcache.export.bounded_export._warned", set())
     lost = Lost()
-    return HoldingSpanExporter(OTLPSpanExporter(), lost, first_interval=0.2, most_interval=0.2, **bounds), lost
+    return HoldingSpanExporter(OTLPSpanExporter(), lost, **{"first_interval": 0.2, "most_interval": 0.2, **bounds}), lost
 
 
 def ids(spans_sent) -> list[int]:
@@ -100,19 +100,25 @@ def test_a_collector_nobody_listens_at_is_unreachable_once_per_process(endpoint,
 
 
 def test_a_collector_that_answers_with_an_error_is_not_called_unreachable(monkeypatch, caplog):
+    """It takes nothing, and says why in its answers (the OpenTelemetry exporter logs them):
+    what it was not sent is held all the same (the exporter returns no error code, and a
+    collector coming back fails exports for seconds), and dropped and counted when the
+    time is up (here, at the exit)."""
     sink = OTLPSink(refuse=True).start()  # answers every export with PERMISSION_DENIED
-    exporter, lost = exporter_to(sink.endpoint, monkeypatch)
+    exporter, lost = exporter_to(sink.endpoint, monkeypatch, first_interval=60, most_interval=60)
     try:
         with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
             for batch in (spans(3), spans(2), spans(1)):
                 exporter.export(batch)
+            assert (exporter.held, lost.count) == (6, 0)
+            exporter.shutdown(timeout=0)
     finally:
-        exporter.shutdown()
         sink.stop()
-    (words,) = said(caplog)
-    assert f"the collector at {sink.endpoint} answers but took no spans" in words, words
-    assert sink.refused == 3 + 2 + 1  # each span refused once: neither held nor sent again in halves
-    assert lost.count == 6 and exporter.held == 0
+    (words, at_exit) = said(caplog)
+    assert f"the collector at {sink.endpoint} answers but takes no spans" in words, words
+    assert "unreachable" not in words and "spans are held" in words
+    assert sink.refused == 3  # the first batch, once: neither sent again in halves nor the others sent
+    assert lost.count == 6 and exporter.held == 0 and "6 held spans" in at_exit
 
 
 def test_spans_made_while_the_collector_is_gone_arrive_once_it_is_back(monkeypatch, caplog):

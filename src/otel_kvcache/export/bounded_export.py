@@ -11,16 +11,15 @@ value, or a batch of long spans, cost everyone in it their span.
 - It sends no request over ``OTEL_KVCACHE_EXPORT_MAX_BYTES`` (3 MiB). A batch is
   measured as OTLP encodes it, once. A larger one is cut into runs of spans that
   fit, each span measured alone; a span larger than that alone is lost.
-- A batch the exporter fails to send, to a collector that cannot be reached
-  (nothing accepts a connection at its endpoint: ``collector.py``), is handed
-  back with every span not yet sent, for ``held_spans.py`` to hold until it is back.
-- A collector that can be reached and fails a batch is sent it again, then in
-  halves, down to single spans, while it takes an empty export: then it refused
-  what it was sent, and only the spans refused even alone are lost. (Sent again
-  whole first: a collector that restarts can be reached a moment after a batch
-  failed because it could not.) One that takes
-  nothing, not even an empty export, answers with an error of its own (the
-  OpenTelemetry exporter logs it): the batch is lost whole.
+- A batch the exporter fails to send to a collector that takes nothing (nothing
+  accepts a connection at its endpoint, ``collector.py``, or it fails an empty
+  export too) is handed back with every span not yet sent, for ``held_spans.py``
+  to hold until it takes spans again. The exporter returns no error code, and a
+  collector that restarts fails an empty export for seconds after it accepts
+  connections again: what it takes nothing of is held, not taken for refused.
+- A batch that a collector which takes an empty export fails is sent to it again
+  whole (it may have just come back), then in halves, down to single spans: it
+  refused what it was sent, and only the spans refused even alone are lost.
 - Each kind of loss is logged once per process, however many exporters it has.
 
 The OTLP gRPC exporter is told to retry only what the OTLP specification calls
@@ -69,7 +68,7 @@ class Sent(NamedTuple):
     lost: int
     """Spans refused even alone, or too large alone."""
     unsent: list[ReadableSpan]
-    """Spans not sent because the collector cannot be reached, in order: to be sent again."""
+    """Spans not sent because the collector takes nothing, in order: to be sent again."""
 
 
 class ByteBoundedSpanExporter:
@@ -79,12 +78,12 @@ class ByteBoundedSpanExporter:
     def __init__(self, exporter: SpanExporter, max_bytes: int | None = None) -> None:
         self.exporter = exporter
         self.max_bytes = config.export_max_bytes() if max_bytes is None else max_bytes
-        self.unreachable = ""
-        """Why the collector could not be reached, when it last could not."""
+        self.why_not_taken = ""
+        """Why the collector took nothing, when it last took nothing."""
 
     def send(self, spans: list[ReadableSpan]) -> Sent:
         """Exports ``spans``: how many were lost, and those not sent because the collector
-        cannot be reached."""
+        takes nothing."""
         if not spans:
             return Sent(0, [])
         if encoded_size(spans) <= self.max_bytes:
@@ -116,18 +115,19 @@ class ByteBoundedSpanExporter:
         return runs + ([run] if run else []), lost
 
     def _send_fitting(self, spans: list[ReadableSpan]) -> int | None:
-        """Spans lost of ``spans``; None when the collector cannot be reached (none were sent)."""
+        """Spans lost of ``spans``; None when the collector takes nothing (none were sent)."""
         if self.exporter.export(spans) is SpanExportResult.SUCCESS:
             return 0
         endpoint, _ = span_endpoint()
         reason = unreachable(endpoint)
         if reason is not None:
-            self.unreachable = f"the collector at {endpoint} is unreachable ({reason})"
+            self.why_not_taken = f"the collector at {endpoint} is unreachable ({reason})"
             return None
         if self.exporter.export([]) is not SpanExportResult.SUCCESS:
-            warn_once("takes nothing", lambda: f"the collector at {endpoint} answers but took no spans (the "
-                      "OpenTelemetry exporter logs its error); spans sent meanwhile are dropped")  # fmt: skip
-            return len(spans)
+            self.why_not_taken = (
+                f"the collector at {endpoint} answers but takes no spans (the OpenTelemetry exporter logs its error)"
+            )
+            return None
         return self._refused(spans)
 
     def _refused(self, spans: list[ReadableSpan]) -> int:

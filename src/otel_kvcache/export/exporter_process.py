@@ -30,7 +30,7 @@ without being counted in ``otel_kvcache.telemetry.dropped``, by stage:
 - ``pipe``: the helper fell more than ``MAX_BUFFERED_BYTES`` behind; a new
   frame's records are dropped;
 - ``helper_died``: records written to a helper that then died before it
-  acknowledged them (it writes ``pid done failed`` lines back on its stdout
+  acknowledged them (it writes ``pid done failed held`` lines back on its stdout
   after each batch of frames), and those a dead helper that is not replaced would get.
   A helper killed between sending a batch and saying so has those counted too:
   the counter may count a batch that arrived, never miss one that did not;
@@ -50,7 +50,8 @@ first, so that records keep flowing.
 
 An engine that goes idle takes no steps, so the pipe's thread also looks after
 the pipe in its stead (``went_idle``): every ``IDLE_SECONDS`` while records are
-unacknowledged, it reads the helper's acknowledgements (counting the spans it
+unacknowledged, or the helper holds spans for a collector that takes nothing,
+it reads the helper's acknowledgements (counting the spans it
 failed to export). It sleeps on an event otherwise.
 
 A helper that dies (its pipes close) is noticed at the next hand-over, at most
@@ -281,6 +282,7 @@ class ExporterProcess:
         self._done = 0  # records it acknowledged: exported, or counted as failed
         self._failed = 0  # spans its exporter failed to send, as acknowledged
         self._failed_counted = 0
+        self._helper_holds = 0  # spans it holds now, for a collector that takes nothing
 
     def _read_acknowledgements(self) -> bool:
         """Takes what the helper said; False once its stdout closed (it exited)."""
@@ -293,7 +295,7 @@ class ExporterProcess:
             pass
         *lines, self._acks = self._acks.split(b"\n")
         if lines:
-            self.helper_pid, self._done, self._failed = map(int, lines[-1].split())  # each is cumulative
+            self.helper_pid, self._done, self._failed, self._helper_holds = map(int, lines[-1].split())
             if self._failed > self._failed_counted:
                 self._drop(self._failed - self._failed_counted, names.STAGE_EXPORT)
                 self._failed_counted = self._failed
@@ -392,7 +394,7 @@ class ExporterProcess:
         pipe's thread read the acknowledgements until nothing is outstanding."""
         self.flush()
         self._engine_idle = True
-        if self.in_flight:
+        if self.in_flight or self._helper_holds:
             self._wake.set()
 
     def _look_after_the_pipe(self) -> None:
@@ -419,7 +421,7 @@ class ExporterProcess:
             return None
         if self._outgoing:
             return RETRY_SECONDS
-        return IDLE_SECONDS if self._engine_idle and self.in_flight else None
+        return IDLE_SECONDS if self._engine_idle and (self.in_flight or self._helper_holds) else None
 
     def flush(self) -> None:
         """Hands over, on the calling thread, whatever the engine handed over and the pipe's

@@ -9,9 +9,9 @@ a sending queue and retry for five minutes before they drop anything
 (``bounded_export.py``):
 
 - Spans go out on the caller's thread while the collector takes them. What was
-  not sent because the collector cannot be reached is held, in order, and so is
-  whatever comes while anything is held, so that it goes out after. (A collector
-  that answers and refuses is not waited for: ``bounded_export.py``.)
+  not sent because the collector takes nothing (it cannot be reached, or it fails
+  even an empty export: ``bounded_export.py``) is held, in order, and so is
+  whatever comes while anything is held, so that it goes out after.
 - A thread of its own sends the oldest held spans again after an interval that
   grows from 5 s by half each try, up to 30 s, each randomized by half: the
   Collector's defaults, so that a host's processes do not all come back at once.
@@ -23,7 +23,9 @@ a sending queue and retry for five minutes before they drop anything
 - ``shutdown`` gives what is held until its deadline, then drops the rest.
 - Every span dropped passes ``on_lost`` once (``otel_kvcache.telemetry.dropped``,
   stage ``export``, unless the caller counts them itself); the first hold, and the
-  first loss of each kind, is logged once per process.
+  first loss of each kind, is logged once per process. ``on_settled`` tells the
+  caller when the sender's thread sent or dropped what it held (the helper tells
+  its engine).
 - A forked child holds nothing of its parent's: the parent sends its own.
 
 The helper's span pipeline uses it (``helper.py``), and so does every process the
@@ -78,13 +80,14 @@ def count_lost(count: int) -> None:
 
 class HoldingSpanExporter(SpanExporter):
     """Exports through a ``ByteBoundedSpanExporter``, holding what it could not send while
-    the collector cannot be reached, and sending it when the collector is back."""
+    the collector takes nothing, and sending it when the collector takes spans again."""
 
     def __init__(
         self,
         exporter: SpanExporter,
         on_lost: Callable[[int], None] = count_lost,
         *,
+        on_settled: Callable[[], None] = lambda: None,
         hold_bytes: int | None = None,
         hold_seconds: float | None = None,
         first_interval: float = FIRST_INTERVAL,
@@ -92,6 +95,8 @@ class HoldingSpanExporter(SpanExporter):
     ) -> None:
         self.bounded = ByteBoundedSpanExporter(exporter)
         self.on_lost = on_lost
+        self.on_settled = on_settled
+        """Called on the sender's thread after each of its tries, and each drop of what outlived the time."""
         self.hold_bytes = config.export_hold_bytes() if hold_bytes is None else hold_bytes
         self.hold_seconds = config.export_hold_seconds() if hold_seconds is None else hold_seconds
         self.first_interval = first_interval
@@ -135,8 +140,8 @@ class HoldingSpanExporter(SpanExporter):
 
     def _describe_hold(self) -> str:
         return (
-            f"{self.bounded.unreachable}; spans are held, up to {config.EXPORT_HOLD_BYTES}={self.hold_bytes} "
-            f"bytes for up to {config.EXPORT_HOLD_SECONDS}={self.hold_seconds:g} s, and sent when it is back"
+            f"{self.bounded.why_not_taken}; spans are held, up to {config.EXPORT_HOLD_BYTES}={self.hold_bytes} "
+            f"bytes for up to {config.EXPORT_HOLD_SECONDS}={self.hold_seconds:g} s, and sent when it takes them again"
         )
 
     def _hold(self, spans: list[ReadableSpan], size: int, since: float) -> int:
@@ -170,7 +175,7 @@ class HoldingSpanExporter(SpanExporter):
 
     def _send_held(self) -> None:
         """The sender's thread: sends the oldest held batch, again after a growing interval
-        while the collector cannot be reached, until shutdown."""
+        while the collector takes nothing, until shutdown."""
         interval = self.first_interval
         while True:
             with self._changed:
@@ -180,6 +185,8 @@ class HoldingSpanExporter(SpanExporter):
                 lost = self._drop_outlived()
                 head = self._sending = self._held.popleft() if self._held else None
             self._lose(lost)
+            if lost:
+                self.on_settled()
             if head is None:
                 if self._deadline is not None:
                     return
@@ -198,6 +205,7 @@ class HoldingSpanExporter(SpanExporter):
                     _logger.info("otel-kvcache: the collector is back; what was held is sent")
                 self._changed.notify_all()
             self._lose(lost)
+            self.on_settled()
             if not unsent:
                 interval = self.first_interval
                 continue

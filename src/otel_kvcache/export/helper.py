@@ -16,9 +16,9 @@ exporters ``OTEL_TRACES_EXPORTER`` names, in requests bounded in bytes
 (``bounded_export.py``) and held through a collector's outage (``held_spans.py``),
 rather than through a batch span processor whose queue drops without telling
 anyone. So it knows what was lost and what was not, and tells the engine on its
-stdout after each batch: ``pid records-done spans-failed``, cumulative (a record is
-done once its span is sent or held; a held span that is dropped later is failed
-from the next line on). The engine counts the failed spans, and what a dead helper
+stdout after each batch: ``pid records-done spans-failed spans-held`` (a record is
+done once its span is sent or held; a line comes too when held spans are sent or
+dropped). The engine counts the failed spans, and what a dead helper
 took with it, from that (``otel_kvcache.telemetry.dropped``). Once the engine can no
 longer read it (it exited), the helper counts the spans it fails to export itself.
 
@@ -34,7 +34,7 @@ import select
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -78,10 +78,19 @@ class SpanPipeline:
         self._collected = _Collected()
         provider.add_span_processor(self._collected)
         self.tracer = provider.get_tracer(METER_SCOPE, __version__)
-        self._exporters = [HoldingSpanExporter(exporter, self._lost) for exporter in exporters]
+        self._exporters = [
+            HoldingSpanExporter(exporter, self._lost, on_settled=lambda: self.on_settled()) for exporter in exporters
+        ]
         self._failed_lock = threading.Lock()
         self.failed = 0
         """Spans lost so far: refused, or dropped from what was held (the holding exporters' threads add)."""
+        self.on_settled: Callable[[], None] = lambda: None
+        """Called when a holding exporter's thread sent or dropped what it held."""
+
+    @property
+    def held(self) -> int:
+        """Spans held now, for a collector that takes nothing."""
+        return sum(exporter.held for exporter in self._exporters)
 
     def _lost(self, count: int) -> None:
         with self._failed_lock:
@@ -126,30 +135,34 @@ class SpanPipeline:
 
 
 class _Acknowledgements:
-    """Writes ``pid done failed`` lines to the engine, never blocking: each is cumulative,
-    so one the pipe cannot take now is carried by the next. Once the engine can read
+    """Writes ``pid done failed held`` lines to the engine, never blocking, from the main
+    thread and the holding exporters' alike: each is cumulative but ``held`` (spans held
+    now, for a collector that takes nothing: the engine looks for more lines while there
+    are), so one the pipe cannot take now is carried by the next. Once the engine can read
     none (it exited: the pipe is broken), the failed spans are counted here instead."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         os.set_blocking(fd, False)
+        self._lock = threading.Lock()
         self._told_failed = 0
         """Failed spans as of the last line the engine was given."""
         self._engine_listens = True
 
-    def send(self, done: int, failed: int) -> None:
-        if self._engine_listens:
-            try:
-                os.write(self._fd, b"%d %d %d\n" % (os.getpid(), done, failed))
+    def send(self, done: int, failed: int, held: int = 0) -> None:
+        with self._lock:
+            if self._engine_listens:
+                try:
+                    os.write(self._fd, b"%d %d %d %d\n" % (os.getpid(), done, failed, held))
+                    self._told_failed = failed
+                    return
+                except BlockingIOError:
+                    return
+                except OSError:  # the engine is gone: nobody to tell
+                    self._engine_listens = False
+            if failed > self._told_failed:
+                count_dropped(failed - self._told_failed, names.STAGE_EXPORT)
                 self._told_failed = failed
-                return
-            except BlockingIOError:
-                return
-            except OSError:  # the engine is gone: nobody to tell
-                self._engine_listens = False
-        if failed > self._told_failed:
-            count_dropped(failed - self._told_failed, names.STAGE_EXPORT)
-            self._told_failed = failed
 
 
 class _Progress:
@@ -234,7 +247,7 @@ def _export_batches(
                 _logger.exception("otel-kvcache: could not export a record")
         pipeline.export()
         progress.done += len(records)
-        acks.send(progress.done, pipeline.failed)
+        acks.send(progress.done, pipeline.failed, pipeline.held)
 
 
 def main(argv: list[str]) -> int:
@@ -255,6 +268,7 @@ def main(argv: list[str]) -> int:
     ).start()
     exporter, pipeline = _configured_exporter()
     progress.pipeline = pipeline
+    pipeline.on_settled = lambda: acks.send(progress.done, pipeline.failed, pipeline.held)
     _export_batches(read_batches(sys.stdin.fileno()), exporter, pipeline, acks, progress)
     stdin_closed.set()  # the deadline runs from now
     pipeline.shutdown(SHUTDOWN_SECONDS - SHUTDOWN_MARGIN_SECONDS)

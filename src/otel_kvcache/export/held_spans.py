@@ -12,9 +12,9 @@ a sending queue and retry for five minutes before they drop anything
   not sent because the collector takes nothing (it cannot be reached, or it fails
   even an empty export: ``bounded_export.py``) is held, in order, and so is
   whatever comes while anything is held, so that it goes out after.
-- A thread of its own sends the oldest held spans again after an interval that
-  grows from 5 s by half each try, up to 30 s, each randomized by half: the
-  Collector's defaults, so that a host's processes do not all come back at once.
+- A thread of its own sends the oldest held spans again after a pause that grows
+  from 5 s by half each try, up to 30 s, each randomized by half: the Collector's
+  defaults, so that a host's processes do not all come back at once.
 - Held spans are bounded per exporter in bytes, as OTLP encodes them
   (``OTEL_KVCACHE_EXPORT_HOLD_BYTES``, 64 MiB), and in time
   (``OTEL_KVCACHE_EXPORT_HOLD_SECONDS``, 300 s): a batch that would overflow the
@@ -174,12 +174,20 @@ class HoldingSpanExporter(SpanExporter):
         return lost
 
     def _send_held(self) -> None:
-        """The sender's thread: sends the oldest held batch, again after a growing interval
-        while the collector takes nothing, until shutdown."""
-        interval = self.first_interval
+        """The sender's thread: sends the oldest held batch after a pause (its caller has
+        just failed to), again after a growing pause while the collector takes nothing,
+        until shutdown."""
+        interval, pause = self.first_interval, True
         while True:
+            if pause:
+                if not self._pause(interval):
+                    return
+                interval, pause = min(interval * INTERVAL_MULTIPLIER, self.most_interval), False
             with self._changed:
-                self._changed.wait_for(lambda: self._held or self._deadline is not None)
+                if not self._held and self._deadline is None:
+                    self._changed.wait_for(lambda: self._held or self._deadline is not None)
+                    interval, pause = self.first_interval, True  # what comes, its caller just failed to send
+                    continue
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     return
                 lost = self._drop_outlived()
@@ -202,22 +210,26 @@ class HoldingSpanExporter(SpanExporter):
                     self._held.appendleft(_Held(unsent, size, head.since))
                     self._held_bytes += size
                 elif not self._held:
-                    _logger.info("otel-kvcache: the collector is back; what was held is sent")
+                    _logger.info("otel-kvcache: the collector takes spans again; what was held is sent")
                 self._changed.notify_all()
             self._lose(lost)
             self.on_settled()
+            pause = bool(unsent)
             if not unsent:
                 interval = self.first_interval
-                continue
-            wait = interval * random.uniform(1 - INTERVAL_RANDOMIZATION, 1 + INTERVAL_RANDOMIZATION)
-            interval = min(interval * INTERVAL_MULTIPLIER, self.most_interval)
-            with self._changed:
-                if self._deadline is None:
-                    self._changed.wait_for(lambda: self._deadline is not None, timeout=wait)
-                if self._deadline is not None:
-                    if time.monotonic() >= self._deadline:
-                        return
-                    self._changed.wait(min(SHUTDOWN_RETRY_SECONDS, self._deadline - time.monotonic()))
+
+    def _pause(self, interval: float) -> bool:
+        """Waits ``interval`` randomized by half, or less once shutting down; False once the
+        shutdown's deadline has passed."""
+        with self._changed:
+            if self._deadline is None:
+                wait = interval * random.uniform(1 - INTERVAL_RANDOMIZATION, 1 + INTERVAL_RANDOMIZATION)
+                self._changed.wait_for(lambda: self._deadline is not None, timeout=wait)
+            if self._deadline is not None:
+                if time.monotonic() >= self._deadline:
+                    return False
+                self._changed.wait(min(SHUTDOWN_RETRY_SECONDS, self._deadline - time.monotonic()))
+            return True
 
     def _lose(self, count: int) -> None:
         if count:

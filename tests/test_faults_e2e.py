@@ -281,7 +281,7 @@ def test_vllms_first_process_waits_for_the_helpers_at_its_exit(tmp_path):
 OUTAGE_SECONDS = 45
 
 
-@pytest.mark.slow
+@pytest.mark.serving
 def test_a_collector_gone_for_45_s_while_requests_come_loses_no_span(tiny_model, tmp_path):
     """The collector stops, requests keep coming for 45 s, and it comes back on its port:
     every request's KV span arrives, once, with its parent (the API server's span, held

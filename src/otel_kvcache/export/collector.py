@@ -54,4 +54,3 @@ def unreachable(endpoint: str, timeout: float = CONNECT_SECONDS) -> str | None:
         return f"no answer in {timeout:g} s"
     except OSError as exc:
         return (exc.strerror or str(exc)).lower()
-

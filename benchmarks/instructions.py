@@ -120,12 +120,12 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     instrumented = variant.startswith("otel")
     if instrumented:
         from otel_kvcache.engine import live_snapshot, pool
-        from otel_kvcache.export import exporter_process
+        from otel_kvcache.export import helper_pipe
 
         # Every timer of ours, off: how many of its rounds fell inside the window
         # would follow the wall clock, which valgrind stretches unevenly.
         for module, interval in (
-            (pool, "SETTLE_SECONDS"), (exporter_process, "FLUSH_SECONDS"), (live_snapshot, "PUBLISH_SECONDS"),
+            (pool, "SETTLE_SECONDS"), (helper_pipe, "FLUSH_SECONDS"), (live_snapshot, "PUBLISH_SECONDS"),
         ):  # fmt: skip
             setattr(module, interval, NEVER_SECONDS)
         if ":" in variant:  # otel-without:PARTS (--without): before the hooks take the methods in

@@ -23,11 +23,11 @@ EMPTIED_METHODS = {
     },
     "whatif": {"PrefixReuse": {"on_freed": None, "on_lookup": None, "on_demand": None, "on_entries_freed": None,
                                "on_entries_held": None}},
-    "misses": {"_HandedOverMisses": {"freed": None, "missed": None, "entries_freed": None}},
+    "misses": {"MissesForTheHelper": {"freed": None, "missed": None, "entries_freed": None}},
     # A hybrid model's own: its peaks, and where its hits can end (``vllm_compat.layouts``).
     "hybrid": {"EngineTelemetry": {"_read_peaks": None, "_entries_freed": None, "_entries_held": None}},
     "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
-    "handover": {"ExporterProcess": {"queue_pending": None}},
+    "handover": {"HelperPipe": {"queue_pending": None}},
 }
 
 
@@ -85,11 +85,12 @@ def empty(parts: str) -> None:
     from otel_kvcache.engine.pool import PoolTracker
     from otel_kvcache.engine.telemetry import EngineTelemetry
     from otel_kvcache.engine.whatif import PrefixReuse
-    from otel_kvcache.export.exporter_process import ExporterProcess, _HandedOverMisses
+    from otel_kvcache.export.helper_pipe import HelperPipe
+    from otel_kvcache.handover.miss_reasons import MissesForTheHelper
 
     owners = {
         owner.__name__: owner
-        for owner in (Attribution, EngineTelemetry, ExporterProcess, PoolTracker, PrefixReuse, SessionTable, _HandedOverMisses)
+        for owner in (Attribution, EngineTelemetry, HelperPipe, PoolTracker, PrefixReuse, SessionTable, MissesForTheHelper)
     }
     for part in parts.split(","):
         for owner_name, methods in EMPTIED_METHODS[part].items():

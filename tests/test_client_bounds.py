@@ -45,7 +45,7 @@ def _engine(model_config, **options):
     from harness.scheduler import make_scheduler
 
     engine = EngineHarness(make_scheduler(model_config, **options))
-    return engine, engine.scheduler._otel_kvcache_engine.exporter
+    return engine, engine.scheduler._otel_kvcache_engine.record_sink
 
 
 def _kv_spans(sink: OTLPSink) -> dict[str, object]:

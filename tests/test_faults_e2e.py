@@ -218,7 +218,7 @@ def test_a_helper_whose_collector_is_unreachable_exits_soon_after_its_engine(tmp
     code = _engine_script(
         tmp_path,
         """
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
         for wave in range(3):  # three frames, one after another
             for i in range(4):
                 engine.add(engine.make_request(f"w{wave}-{i}", prompt_len=40, max_tokens=4))

@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from otel_kvcache import config, names
 from otel_kvcache.gpu import VLLMGPUInstrumentor
 from otel_kvcache.gpu import instrumentor as gpu_instrumentor
-from otel_kvcache.wiring.resource import PROCESS_ENVIRONMENT_VARIABLE
+from otel_kvcache.process_identity import PROCESS_ENVIRONMENT_VARIABLE
 
 from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings
 

@@ -9,7 +9,7 @@ from vllm.v1.request import RequestStatus
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names
 from otel_kvcache.engine.pool import PoolTracker
-from otel_kvcache.engine.tally import OCCUPANCY_BLOCK_NS
+from otel_kvcache.handover.tally import OCCUPANCY_BLOCK_NS
 from otel_kvcache.engine.telemetry import PACKING, EngineTelemetry
 from otel_kvcache.wiring.patch import ENGINE_ATTRIBUTE
 

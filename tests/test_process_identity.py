@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from otel_kvcache import config, names
-from otel_kvcache.wiring.resource import PROCESS_ENVIRONMENT_VARIABLE, role_of_process
+from otel_kvcache.process_identity import PROCESS_ENVIRONMENT_VARIABLE
+from otel_kvcache.wiring.resource import role_of_process
 
 from test_instrumentor import OPENTELEMETRY_INSTRUMENT
 

@@ -25,7 +25,7 @@ cache manager and block pool (see ``vllm_compat.HOOK_POINTS``) and emits:
   histograms, all tagged with ``vllm.engine.index``.
 
 The spans and the per-request histograms are built off the engine thread: in
-a helper process (``exporter_process.py``) when the SDK was configured from
+a helper process (``export.helper``) when the SDK was configured from
 the environment, as ``opentelemetry-instrument`` does, and in-process when the
 providers were passed in. ``OTEL_KVCACHE_EXPORTER_PROCESS`` (``auto``, ``on``,
 ``off``) overrides the choice.

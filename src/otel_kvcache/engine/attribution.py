@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.tally import PACKED, Tally, occupancy_until, released_occupancy
+from otel_kvcache.handover.tally import PACKED, Tally, occupancy_until, released_occupancy
 from otel_kvcache.vllm_compat import (
     blocks_by_request,
     fair_share,
@@ -46,7 +46,7 @@ from otel_kvcache.vllm_compat import (
     served_model_name,
     trace_headers_reader,
 )
-from otel_kvcache.wiring.propagation import baggage_entries
+from otel_kvcache.trace_context import baggage_entries
 
 OVERFLOW = object()
 """The overflow series' key: no key of values can equal it."""

@@ -40,7 +40,7 @@ from otel_kvcache.vllm_compat.kv_transfer import (
     statuses_handing_kv_on,
     waiting_for_remote_kvs_status,
 )
-from otel_kvcache.wiring.propagation import remote_span_context, traceparent_for
+from otel_kvcache.trace_context import remote_span_context, traceparent_for
 
 
 class Engine(Protocol):
@@ -59,23 +59,6 @@ class Engine(Protocol):
     def trace_headers_of(self) -> Callable[[Any], Mapping[str, str] | None]: ...
 
     def event(self, request_id: str, name: str, blocks: int, detail: Any) -> None: ...
-
-
-class ConnectorSummary(NamedTuple):
-    """What a finished request's span reports about its connector (``RequestEnded.connector``)."""
-
-    name: str
-    role: str | None
-    hit_tokens: int
-    wait_ns: int
-    failed_blocks: int
-    recomputed_tokens: int
-    delayed_free_ns: int
-    """-1 when the connector did not delay the free."""
-    producer_traceparent: str | None
-    """The producer's span, for a consumer's link."""
-    span_id: int
-    """The span id promised to the consumer (a producer's), or 0 for any."""
 
 
 class ConnectorTally:
@@ -228,8 +211,8 @@ class ConnectorTelemetry:
         return delay_free, {**(params or {}), names.PRODUCER_SPAN_PARAMETER: traceparent}
 
     def on_released(self, request_id: str) -> tuple | None:
-        """The request's blocks went back to the pool: its ``ConnectorSummary`` for the span,
-        as a plain tuple (``marshal`` takes no named tuple)."""
+        """The request's blocks went back to the pool: its ``handover.record.ConnectorSummary``'s fields,
+        in order, as a plain tuple (``marshal`` takes no named tuple)."""
         held = self.held.pop(request_id, None)
         tally = self.requests.pop(request_id, None)
         if tally is None:

@@ -32,17 +32,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.tally import PROGRESS_STEP, PROGRESS_TOKENS, Tally
-from otel_kvcache.export.spans import Finding, event_attributes, log_in_trace
+from otel_kvcache.handover.tally import PROGRESS_STEP, PROGRESS_TOKENS, Tally
+from otel_kvcache.handover.record import Finding, RecordSink, event_attributes
+from otel_kvcache.trace_context import log_in_trace
 from otel_kvcache.vllm_compat import blocks_held_by_request, deferred_frees, real_blocks, running_status
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry
     from otel_kvcache.engine.pool import PoolTracker
-
-
-class FindingsExporter(Protocol):
-    def finding(self, finding: Finding) -> None: ...
 
 
 class Engine(Protocol):
@@ -60,7 +57,7 @@ class Engine(Protocol):
     @property
     def connectors(self) -> ConnectorTelemetry | None: ...
     @property
-    def exporter(self) -> FindingsExporter: ...
+    def record_sink(self) -> RecordSink: ...
     @property
     def requests(self) -> dict[str, Tally]: ...
     @property
@@ -237,4 +234,4 @@ class Reconciler:
             attributes = {names.REQUEST_ID: reported_id, **event_attributes(event, blocks, detail)}
             if reported_id is not request_id:
                 attributes[names.REQUEST_ID_ORIGINAL_LENGTH] = len(request_id)
-            engine.exporter.finding(Finding(reported_id, event, attributes, message))
+            engine.record_sink.finding(Finding(reported_id, event, attributes, message))

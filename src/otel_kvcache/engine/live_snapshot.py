@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.bounds import cut
+from otel_kvcache.bounds import cut
 from otel_kvcache.engine.snapshot_files import (
     FORMAT,
     UnsafeDirectory,
@@ -52,7 +52,7 @@ from otel_kvcache.engine.snapshot_files import (
     watched,
     write_snapshot,
 )
-from otel_kvcache.engine.tally import PREEMPTIONS
+from otel_kvcache.handover.tally import PREEMPTIONS
 from otel_kvcache.vllm_compat import (
     arrival_time_reader,
     blocks_held_by_request,
@@ -60,7 +60,7 @@ from otel_kvcache.vllm_compat import (
     session_id_reader,
 )
 from otel_kvcache.vllm_compat.versions import installed_vllm_version
-from otel_kvcache.wiring.propagation import baggage_entries
+from otel_kvcache.trace_context import baggage_entries
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.telemetry import EngineTelemetry

@@ -11,14 +11,14 @@ thread, so it is written for the scheduler's hot loop:
   (its peak: ``_read_peaks``); and a step costs, after
   ``schedule()``, a clock read and a count of what the step's allocations
   popped off the free queue (``PoolTracker.note_pops``); the chores (the
-  evictions those pops made, reconciliation, the hand-over to the exporter)
+  evictions those pops made, reconciliation, the hand-over of released requests)
   run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
   by observable instruments on the metric reader's thread (``snapshot``);
-- a live request costs a tally, one flat list of counts (``tally.py``),
-  not an SDK span. At release its bytes go to the exporter (``export/spans.py``),
-  which builds the span, in a helper process when the SDK was configured from
-  the environment.
+- a live request costs a tally, one flat list of counts (``handover.tally``),
+  not an SDK span. At release its record goes to the ``record_sink``
+  (``handover.record``), which builds the span, in a helper process when the SDK
+  was configured from the environment.
 - whether instrumentation is suppressed (``suppress_instrumentation``) is asked
   once a step, when ``schedule()`` returns, for the releases until the next one
   (the step's, and aborts before the next step): the pool's accounting never pauses.
@@ -34,10 +34,11 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import config, names
 from otel_kvcache.engine.attribution import Attribution
-from otel_kvcache.engine.bounds import cut, trace_headers_within
+from otel_kvcache.bounds import cut, trace_headers_within
 from otel_kvcache.engine.leaks import Reconciler
 from otel_kvcache.engine.pool import PoolSnapshot, PoolTracker, snapshot_of
-from otel_kvcache.engine.tally import (
+from otel_kvcache.handover.record import RecordSink
+from otel_kvcache.handover.tally import (
     ADMITTED_BLOCKS,
     ADMITTED_HIT_TOKENS,
     ADMITTED_NS,
@@ -73,7 +74,6 @@ from otel_kvcache.engine.tally import (
 )
 from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.export.spans import RequestExporter
 from otel_kvcache.vllm_compat import (
     allocation_failed,
     allocation_watch,
@@ -104,7 +104,6 @@ from otel_kvcache.vllm_compat.layouts import (
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry
-    from otel_kvcache.export.exporter_process import ExporterProcess
 
 
 PACKING = "tally_packing"
@@ -123,7 +122,7 @@ class EngineTelemetry:
     # 200 instructions, 18 of them per finished request on churn (benchmarks/RESULTS.md).
     __slots__ = (
         "__weakref__",  # the instruments and the snapshot publisher hold engines weakly
-        "exporter", "errors", "block_size", "index", "attributes", "pool", "bytes_per_block",
+        "record_sink", "errors", "block_size", "index", "attributes", "pool", "bytes_per_block",
         "requests", "extra_events", "_blank_tally", "step", "spans_enabled",
         "preemptions", "prefix_cache_queries", "prefix_cache_hits", "allocation_stalls",
         "computed_tokens", "recomputed_tokens", "last_attempt", "_watch_allocation",
@@ -138,11 +137,12 @@ class EngineTelemetry:
     def __init__(
         self,
         scheduler: Any,
-        exporter: RequestExporter | ExporterProcess,
+        record_sink: RecordSink,
         errors: InstrumentationErrors,
     ) -> None:
         manager = scheduler.kv_cache_manager
-        self.exporter = exporter
+        self.record_sink = record_sink
+        """Where released requests and findings go, to become spans (``handover.record``)."""
         self.errors = errors
         self.block_size: int = scheduler_block_size(scheduler)
         self.layout = prefix_layout(scheduler)
@@ -203,7 +203,7 @@ class EngineTelemetry:
         rate = default_sample_rate(self.pool.limit) if rate is None else rate
         self.reuse = PrefixReuse(self.pool.limit, rate, self.layout)
         """The what-if curve and the miss reasons' counters, fed by the lookups and the frees here."""
-        self.misses = exporter.miss_reasons(self.pool.limit, self.layout)
+        self.misses = record_sink.miss_reasons(self.pool.limit, self.layout)
         """Each request's miss reasons, found where its span is built (``whatif.py``)."""
         self._attention_reach = attention_reach_reader() if self.layout.hybrid else None
         self._hit_blocks = hit_blocks_counter(manager.coordinator.single_type_managers)
@@ -333,7 +333,7 @@ class EngineTelemetry:
 
     def _admitted(self, request_id: str) -> None:
         """An admission opens a period; its prefix hits count when the period closes
-        (``tally.close_admission_period``: at a preemption, or in the exporter)."""
+        (``tally.close_admission_period``: at a preemption, or where the record is read back)."""
         request = self.scheduler_requests[request_id]
         tally = self._tally_of(request)
         hit_tokens = self.pending_hits.pop(request_id, 0)  # 0: admitted without a prefix-cache lookup
@@ -351,7 +351,7 @@ class EngineTelemetry:
                 tally[PEAK] = held
             event = names.EVENT_RESUMED if tally[PREEMPTIONS] else names.EVENT_ADMITTED
             self.event(request_id, event, held, hit_tokens)
-        else:  # the first admission's blocks count towards the peak in the exporter
+        else:  # the first admission's blocks count towards the peak where the record is read back
             tally[ADMITTED_NS] = tally[STRETCH_START_NS] = time.time_ns()
             tally[ADMITTED_BLOCKS] = tally[STRETCH_START_BLOCKS] = held
             tally[STRETCH_START_TOKENS] = request.num_computed_tokens  # this step's included
@@ -422,7 +422,7 @@ class EngineTelemetry:
             self.preempted_demand -= self.preempted_blocks.pop(request_id, 0)
         if tally is None:  # never admitted nor stalled: aborted while waiting
             tally = self._new_tally(request)
-        # The exporter closes the last admission period (tally.close_admission_period).
+        # The last admission period is closed where the record is read back (record.finished_request).
         tally[FREED] = freed
         tally[RELEASED_NS] = released_ns = time.time_ns()
         # Its last stretch of held blocks is closed off the engine thread (tally.released_occupancy).
@@ -459,11 +459,10 @@ class EngineTelemetry:
         trace_headers = self.trace_headers_of(request)
         model, priority = self.attribution.request_ended(request, counts, trace_headers)
         if self.spans_enabled:
-            # RequestEnded's fields, as a plain tuple (one object fewer to build): strings,
-            # bytes, numbers and objects that exist already (vLLM's headers), so that what
-            # the exporter holds until its next flush adds no object the garbage collector
-            # tracks (exporter_process.py).
-            self.exporter.request_ended(
+            # record.RequestEnded's fields, in its order, as a plain tuple: building the
+            # named tuple would cost the engine thread a Python call per release
+            # (handover/record.py).
+            self.record_sink.request_ended(
                 (
                     reported_id,
                     trace_headers_within(trace_headers, self.value_limit),
@@ -481,7 +480,7 @@ class EngineTelemetry:
             # An idle engine takes no steps (an abort can free blocks then): look now.
             self.pool.settle()
             self.reconciler.run()
-            self.exporter.went_idle()
+            self.record_sink.went_idle()
         # The prefix's frees last: a failure there costs them, not the span nor the idle pass.
         if freed:  # the blocks vLLM cached (full, computed), as it frees them: deepest first
             self._prefix_freed(request.block_hashes, computed // self.layout.unit)
@@ -524,8 +523,8 @@ class EngineTelemetry:
     def _chores(self, now: float) -> None:
         self.pool.settle_if_due(now)
         self.reconciler.maybe_run(now)
-        self.exporter.flush_if_due(now)
-        self._chores_due = min(self.pool.due, self.reconciler.due, self.exporter.due)
+        self.record_sink.flush_if_due(now)
+        self._chores_due = min(self.pool.due, self.reconciler.due, self.record_sink.due)
 
     def on_prefix_cache_reset(self, succeeded: bool) -> None:
         """After ``reset_prefix_cache``: if it succeeded, no block holds a prefix."""

@@ -6,9 +6,8 @@ a block is evicted when the queue's head reaches it. Both answers here follow
 from that order, fed by the engine at each release, preemption and lookup.
 
 **Miss reasons.** Two generations of hash sets remember the blocks freed
-lately (``FreedHistory``): between ``HISTORY_PER_BLOCK / 2`` and
-``HISTORY_PER_BLOCK`` × pool distinct blocks (in the engine's process,
-references to vLLM's own hash objects, about 80 bytes each). A looked-up block that missed is ``evicted`` if
+lately (``handover.miss_reasons.FreedHistory``; here, references to vLLM's own hash
+objects, about 80 bytes each). A looked-up block that missed is ``evicted`` if
 it is remembered (it was cached, and gone by the time this request asked),
 ``cold`` if not; a block freed longer ago than the history reaches counts as
 cold, the history's only error. Tokens vLLM never serves from the cache (the
@@ -16,11 +15,7 @@ tail that does not fill a block, the last token) are ``uncacheable``. The
 three add up to vLLM's queries minus its hits. The history is kept where it
 costs the engine thread nothing: for the counters, by the curve's reader
 (``catch_up``), from the same events; for each request's span, where the span
-is built: the helper process, from the frees and missed lookups the engine hands
-it (``export/miss_reasons.py``), or, where spans are built in the engine's
-process, on the engine thread (``MissReasons``). Hashing each freed block and
-growing the sets had been the dearest thing the engine thread did per request
-(``benchmarks/RESULTS.md``).
+is built (``handover.miss_reasons``).
 
 **The what-if curve**, a miss-ratio curve built the way caches build one
 online (SHARDS, Waldspurger et al., FAST '15): a block is sampled when its
@@ -80,14 +75,11 @@ from collections.abc import Iterable
 from itertools import compress, repeat
 from operator import gt
 
-from otel_kvcache.engine.tally import COLD_TOKENS, EVICTED_TOKENS, Tally
+from otel_kvcache.handover.miss_reasons import FreedHistory
 from otel_kvcache.vllm_compat.layouts import PrefixLayout
 
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Pool sizes, as multiples of the real one, that the curve is projected for."""
-HISTORY_PER_BLOCK = 4
-"""The freed-block history holds up to this many distinct hashes per block of the pool
-(two generations of half as many each)."""
 WINDOW_SECONDS = 600.0
 """The curve and the peak demand are over the last ten minutes of lookups."""
 BUCKET_SECONDS = 10.0
@@ -103,83 +95,6 @@ SAMPLED_BLOCKS = 256
 
 def default_sample_rate(pool_blocks: int) -> float:
     return min(1.0, SAMPLED_BLOCKS / max(pool_blocks, 1))
-
-
-class FreedHistory:
-    """The prefixes freed lately, in two generations: the current one, and the one before
-    it, dropped when the current one fills up. It holds what vLLM gave back to its free
-    queue with a prefix: the units' hashes of a request's blocks, and, on a hybrid model,
-    the entries of the other groups (``layouts.PrefixLayout``)."""
-
-    def __init__(self, pool_blocks: int) -> None:
-        self._generation = max(1, HISTORY_PER_BLOCK * pool_blocks // 2)
-        self._lately: set = set()
-        self._before: set = set()
-
-    def freed(self, hashes: Iterable) -> None:
-        self._lately.update(hashes)
-        if len(self._lately) >= self._generation:
-            self._before, self._lately = self._lately, set()
-
-    def evicted(self, missed: list, present: int, layout: PrefixLayout) -> int:
-        """How many of a lookup's missed blocks (its units after the hit, shallowest first)
-        a cache that had kept what it was given would have served: those up to the deepest
-        one vLLM could have resumed at, by what it gave back lately. The first ``present``
-        of them are still in the first full-attention group's cache (``layouts``)."""
-        lately, before = self._lately, self._before
-        if not layout.checked:  # every unit ends a hit: a freed chain is remembered whole
-            if lately.isdisjoint(missed) and before.isdisjoint(missed):  # all cold: no loop
-                return 0
-            for index in range(len(missed) - 1, -1, -1):
-                if missed[index] in lately or missed[index] in before:
-                    return index + 1
-            return 0
-        for index in range(len(missed) - 1, -1, -1):
-            if self.resumable(missed[index], index < present, layout):
-                return index + 1
-        return 0
-
-    def resumable(self, key: bytes, attention_present: bool, layout: PrefixLayout) -> bool:
-        """Whether a hybrid model's lookup could have ended at the unit with this hash, by
-        what vLLM gave back lately: every checked group's entry there, the first
-        full-attention group's aside where its blocks are in the cache now
-        (``attention_present``)."""
-        lately, before = self._lately, self._before
-        for suffix in layout.checked:
-            if suffix == layout.attention and attention_present:
-                continue
-            entry = key + suffix
-            if entry not in lately and entry not in before:
-                return False
-        return True
-
-
-class MissReasons:
-    """Each request's missed lookups as evicted or cold tokens, found on the engine thread,
-    for spans built in the engine's process (the in-process exporter). Where a helper
-    process builds them, the engine hands it the same calls instead
-    (``ExporterProcess.miss_reasons``)."""
-
-    __slots__ = ("_history", "_layout")
-
-    def __init__(self, pool_blocks: int, layout: PrefixLayout) -> None:
-        self._history = FreedHistory(pool_blocks)
-        self._layout = layout
-
-    def freed(self, hashes: list) -> None:
-        """A request gave back its blocks, whose units' hashes these are."""
-        self._history.freed(hashes)
-
-    def entries_freed(self, keys: list) -> None:
-        """vLLM gave back blocks holding these entries of the checked groups (hybrid models)."""
-        self._history.freed(keys)
-
-    def missed(self, tally: Tally, keys: list, present: int) -> None:
-        """These looked-up units of the request missed (``tally.py``'s tally, written here)."""
-        unit = self._layout.unit
-        evicted = unit * self._history.evicted(keys, present, self._layout)
-        tally[EVICTED_TOKENS] += evicted
-        tally[COLD_TOKENS] += unit * len(keys) - evicted
 
 
 class _Stack:

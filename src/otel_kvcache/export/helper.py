@@ -1,7 +1,7 @@
 """The helper process: builds an EngineCore's spans and exports them, off the engine's CPU.
 
-``exporter_process.ExporterProcess`` starts it as ``python -m otel_kvcache.export.helper
-ENGINE_PID``, as a grandchild of the EngineCore in a session of its own. vLLM's
+The engine's end of the pipe (``helper_pipe.HelperPipe``) starts it as ``python -m
+otel_kvcache.export.helper ENGINE_PID``, as a grandchild of the EngineCore in a session of its own. vLLM's
 shutdown SIGKILLs the EngineCore's whole process tree (at once, with the default
 ``--shutdown-timeout 0``) and a terminal's Ctrl-C reaches a whole process group;
 the helper is in neither, so the records the engine handed over still reach the
@@ -42,10 +42,11 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from otel_kvcache import names
 from otel_kvcache.errors import count_dropped
 from otel_kvcache.export.bounded_export import retry_as_otlp_specifies
-from otel_kvcache.export.exporter_process import read_batches
 from otel_kvcache.export.held_spans import HoldingSpanExporter
-from otel_kvcache.export.miss_reasons import MissReasonsFromTheEngine
-from otel_kvcache.export.spans import Finding, RequestExporter, RequestHistograms
+from otel_kvcache.export.spans import RequestHistograms, SpanBuilder
+from otel_kvcache.export.wire_format import Acknowledgement, read_batches
+from otel_kvcache.handover.miss_reasons import MissReasonsFromTheEngine
+from otel_kvcache.handover.record import Finding
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.version import __version__
 
@@ -153,7 +154,7 @@ class _Acknowledgements:
         with self._lock:
             if self._engine_listens:
                 try:
-                    os.write(self._fd, b"%d %d %d %d\n" % (os.getpid(), done, failed, held))
+                    os.write(self._fd, Acknowledgement(os.getpid(), done, failed, held).encode())
                     self._told_failed = failed
                     return
                 except BlockingIOError:
@@ -216,7 +217,7 @@ def _exit_by_deadline_once_gone(engine_pid: int, stdin_closed: threading.Event, 
         os._exit(1)
 
 
-def _configured_exporter() -> tuple[RequestExporter, SpanPipeline]:
+def _configured_exporter() -> tuple[SpanBuilder, SpanPipeline]:
     from opentelemetry import metrics, trace
     from opentelemetry.trace import ProxyTracerProvider
 
@@ -227,11 +228,11 @@ def _configured_exporter() -> tuple[RequestExporter, SpanPipeline]:
         initialize()
     pipeline = SpanPipeline.from_environment()
     histograms = RequestHistograms(metrics.get_meter(METER_SCOPE, __version__))
-    return RequestExporter(pipeline.tracer, histograms), pipeline
+    return SpanBuilder(pipeline.tracer, histograms), pipeline
 
 
 def _export_batches(
-    batches: Iterator[list], exporter: RequestExporter, pipeline: SpanPipeline, acks, progress: _Progress
+    batches: Iterator[list], exporter: SpanBuilder, pipeline: SpanPipeline, acks, progress: _Progress
 ) -> None:
     misses = MissReasonsFromTheEngine()
     for batch in batches:
@@ -242,7 +243,7 @@ def _export_batches(
                 if isinstance(record, Finding):
                     exporter.finding(record)
                 else:
-                    exporter.request_ended(misses.filled_in(record))
+                    exporter.request_ended(record._replace(tally=misses.filled_in(record.tally)))
             except Exception:  # noqa: BLE001 - one bad record must not stop the others
                 _logger.exception("otel-kvcache: could not export a record")
         pipeline.export()

@@ -1,19 +1,18 @@
-"""Where a finished request's tally becomes its span and its histogram points.
+"""Where a finished request's record becomes its span and its histogram points.
 
 The engine thread never builds spans: building one through the SDK and
 recording three histograms costs tens of microseconds, as much as the whole
-budget of a scheduler step. At release it hands an exporter a ``RequestEnded``
-(ids, the finish reason, the request's tally as bytes, ``tally.py``), which
-``finished_request`` reads into a ``FinishedRequest``:
+budget of a scheduler step. At release it hands a ``RecordSink`` a ``RequestEnded``
+(``handover.record``: ids, the finish reason, the request's tally as bytes), which
+``finished_request`` reads back into a ``FinishedRequest``:
 
-- ``RequestExporter`` builds the span and records the histograms where it is
-  called. The engine uses it directly only when it was given its providers
-  (``instrument(tracer_provider=...)``), which cannot leave the process.
-- ``ExporterProcess`` (``exporter_process.py``) keeps the tuples' fields in one
+- ``SpanBuilder`` builds the span and records the histograms where it is
+  called. The engine hands it its records directly only when it was given its
+  providers (``instrument(tracer_provider=...)``), which cannot leave the process.
+- ``HelperPipe`` (``helper_pipe.py``) keeps the records' fields in one
   flat list and sends them in batches to a helper process that runs
-  ``RequestExporter`` with an SDK configured from the same ``OTEL_*``
-  environment, under the EngineCore's resource. The engine thread pays for a
-  small tuple, dropped at once, and a share of one ``marshal`` call a second.
+  ``SpanBuilder`` with an SDK configured from the same ``OTEL_*``
+  environment, under the EngineCore's resource.
 
 Leak findings for requests whose span has ended take the same road, so they
 join the span's trace wherever the span was built.
@@ -21,11 +20,9 @@ join the span's trace wherever the span was built.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -35,148 +32,20 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Tracer
 
 from otel_kvcache import config, names
-from otel_kvcache.engine import tally
-from otel_kvcache.engine.connectors import ConnectorSummary
-from otel_kvcache.engine.whatif import MissReasons
+from otel_kvcache.handover.miss_reasons import MissReasons
+from otel_kvcache.handover.record import (
+    ConnectorSummary,
+    Finding,
+    FinishedRequest,
+    RequestEnded,
+    event_attributes,
+    finished_request,
+)
+from otel_kvcache.trace_context import baggage_entries, log_in_trace, remote_span_context
 from otel_kvcache.vllm_compat.layouts import PrefixLayout
-from otel_kvcache.wiring.propagation import baggage_entries, remote_span_context
-
-_findings_logger = logging.getLogger("otel_kvcache.findings")
 
 # Span contexts of recently ended requests, so a later leak finding joins their trace.
 RECENTLY_ENDED = 4096
-
-EVENT_DETAIL = {
-    names.EVENT_ADMITTED: names.EVENT_PREFIX_HIT_TOKENS,
-    names.EVENT_RESUMED: names.EVENT_PREFIX_HIT_TOKENS,
-    names.EVENT_PREEMPTED: (names.RECOMPUTED_TOKENS, names.PREEMPTED_FOR, names.PREEMPTED_FOR_ORIGINAL_LENGTH),
-    names.EVENT_RELEASED: names.FINISH_REASON,
-    names.EVENT_LEAK: names.REQUEST_ID,
-    names.EVENT_ZOMBIE: (names.REQUEST_ID, names.ZOMBIE_REASON),
-    names.EVENT_STUCK: (names.STUCK_STEPS, names.STUCK_REASON),
-    names.EVENT_REMOTE_KV_READY: names.CONNECTOR_WAIT_SECONDS,
-    names.EVENT_LOAD_FAILED: names.CONNECTOR_FAILED_BLOCKS,
-    names.EVENT_SEND_DONE: names.CONNECTOR_DELAYED_FREE_SECONDS,
-}
-"""The attribute each event's ``detail`` is exported as (besides its blocks); a tuple of
-names for a detail that is a tuple of values, None among which is left out."""
-
-
-def event_attributes(name: str, blocks: int, detail: Any) -> dict[str, Any]:
-    exported_as = EVENT_DETAIL[name]
-    if isinstance(exported_as, str):
-        return {names.BLOCKS: blocks, exported_as: detail}
-    attributes = {names.BLOCKS: blocks}
-    attributes.update((key, value) for key, value in zip(exported_as, detail) if value is not None)
-    return attributes
-
-
-class FinishedRequest(NamedTuple):
-    """What the span and the histograms of one finished request are built from.
-    Counts, times and ids only: no prompt or output text, no token ids."""
-
-    request_id: str
-    trace_headers: dict[str, str] | None
-    start_ns: int
-    input_tokens: int
-    output_tokens: int
-    cache_read_tokens: int
-    block_size: int
-    peak: int
-    allocated: int
-    prefix_hit_blocks: int
-    freed: int
-    preemptions: int
-    recomputed_tokens: int
-    stalls: int
-    evicted_tokens: int
-    """Prompt tokens that missed the prefix cache because their blocks were evicted."""
-    cold_tokens: int
-    """Prompt tokens whose blocks had never been cached."""
-    finish_reason: str
-    events: list[tuple]
-    """Span events as flat tuples: ``(name, time_ns, blocks, detail, pool_free_blocks,
-    pool_used_blocks)``, the detail exported under ``EVENT_DETAIL[name]``."""
-    still_held: int
-    """Blocks vLLM still attributes to the request after releasing it: a leak."""
-    request_id_length: int
-    """The length of the request id a client chose, when it was cut to ``request_id``; else 0."""
-    occupancy_block_ns: int
-    """The blocks the request held, integrated over its life (``tally.hold``)."""
-    turn_gap_ns: int
-    """From its session's previous release on this engine to its arrival; -1: none."""
-    engine_attributes: dict[str, Any]
-    connector: ConnectorSummary | None
-    """What went through the engine's KV connector, on an engine that has one."""
-    attribution: Attributed
-
-
-class Attributed(NamedTuple):
-    """Whose request it was: vLLM's ``Request`` fields, the session id bounded."""
-
-    model: str | None = None
-    """The served model's name, or the LoRA adapter's."""
-    priority: int = 0
-    session_id: str | None = None
-    session_id_length: int = 0
-    """The length of the session id a client chose, when it was cut; else 0."""
-
-
-class RequestEnded(NamedTuple):
-    """What the engine hands an exporter when a request ends: strings, bytes, numbers and
-    objects that exist already, which ``marshal`` writes in one call. Flat: a tuple among
-    the fields costs ``marshal`` more than the rest of the record (``benchmarks/RESULTS.md``).
-    The engine hands over the fields in this order as a plain tuple (``EngineTelemetry.on_released``)."""
-
-    request_id: str
-    trace_headers: Mapping[str, str] | None
-    """The request's trace headers, in vLLM's mapping as it is."""
-    finish_reason: str
-    tally: bytes
-    """The request's tally (``tally.py``)."""
-    events: list[tuple] | None
-    """Events other than the first admission and the release, as in ``FinishedRequest.events``."""
-    engine_index: int
-    """The engine's data-parallel rank (``vllm.engine.index``)."""
-    connector: tuple | None = None
-    """A ``ConnectorSummary``'s fields, on an engine with a KV connector."""
-    model: str | None = None
-    priority: int = 0
-    session_id: str | None = None
-    """As ``Attributed`` has them; the cut session id's length is in the tally."""
-
-
-def finished_request(ended: RequestEnded | tuple) -> FinishedRequest:
-    """A ``RequestEnded`` (or its fields as a plain tuple) read back into a ``FinishedRequest``."""
-    request_id, trace_headers, finish_reason, tally_bytes, more_events, engine_index, connector, model, priority, session = ended
-    counts = list(tally.PACKED.unpack(tally_bytes))  # a list: a sum here may pass 64 bits
-    # The last admission period, closed here rather than on the engine thread.
-    tally.close_admission_period(counts, counts[tally.FREED])
-    counts[tally.OCCUPANCY_BLOCK_NS] = tally.released_occupancy(counts)
-    counts[tally.PEAK] = max(counts[tally.PEAK], counts[tally.ADMITTED_BLOCKS])
-    limit = counts[tally.POOL_LIMIT]
-    events = []
-    if counts[tally.ADMITTED_NS]:
-        free = counts[tally.ADMITTED_POOL_FREE]
-        admitted = counts[tally.ADMITTED_BLOCKS], counts[tally.ADMITTED_HIT_TOKENS], free, limit - free
-        events.append((names.EVENT_ADMITTED, counts[tally.ADMITTED_NS], *admitted))
-    events.extend(more_events or ())
-    released_ns, free = counts[tally.RELEASED_NS], counts[tally.RELEASED_POOL_FREE]
-    used = limit - free
-    events.append((names.EVENT_RELEASED, released_ns, counts[tally.FREED], finish_reason, free, used))
-    if counts[tally.STILL_HELD]:  # vLLM's free path kept the request's blocks: a leak, seen at once
-        events.append((names.EVENT_LEAK, released_ns, counts[tally.STILL_HELD], request_id, free, used))
-    return FinishedRequest(
-        request_id=request_id,
-        trace_headers=dict(trace_headers) if trace_headers else None,
-        finish_reason=finish_reason,
-        events=events,
-        engine_attributes={names.ENGINE_INDEX: engine_index},
-        connector=ConnectorSummary._make(connector) if connector else None,
-        attribution=Attributed(model, priority, session, counts[tally.SESSION_ID_LENGTH]),
-        **dict(zip(tally.REPORTED, counts)),
-    )
-
 
 def connector_attributes(connector: ConnectorSummary) -> dict[str, Any]:
     attributes = {
@@ -256,15 +125,6 @@ class PresetSpanIds(IdGenerator):
         return getattr(self.inner, "is_trace_id_random", lambda: True)()
 
 
-class Finding(NamedTuple):
-    """A leak finding about a request whose span has already ended."""
-
-    request_id: str
-    event: str
-    attributes: dict[str, Any]
-    message: str
-
-
 class RequestHistograms:
     """The per-request distributions, recorded where the spans are built."""
 
@@ -302,7 +162,7 @@ class RequestHistograms:
         )
 
 
-class RequestExporter:
+class SpanBuilder:
     """Builds ``vllm.kv_cache.request`` spans, histogram points and finding spans."""
 
     def __init__(self, tracer: Tracer, histograms: RequestHistograms) -> None:
@@ -407,7 +267,7 @@ class RequestExporter:
         log_in_trace(context, "otel-kvcache: request %s %s", finding.request_id, finding.message)
 
     due = math.inf
-    """Nothing is ever pending here (the ``ExporterProcess`` interface)."""
+    """Nothing is ever pending here (a ``RecordSink``)."""
 
     def flush_if_due(self, now: float) -> None:
         """Nothing is ever pending here."""
@@ -417,12 +277,3 @@ class RequestExporter:
 
     def went_idle(self) -> None:
         """Nothing is ever pending here."""
-
-
-def log_in_trace(context: SpanContext | None, message: str, *args) -> None:
-    """A warning that carries the request's trace context, for a log backend to link."""
-    if context is None:
-        _findings_logger.warning(message, *args)
-        return
-    with trace.use_span(NonRecordingSpan(context)):
-        _findings_logger.warning(message, *args)

@@ -30,7 +30,7 @@ from otel_kvcache.gpu.allocator import AllocatorReading, TorchAllocatorSource
 from otel_kvcache.gpu.nvml import DeviceReading, NVMLSource
 from otel_kvcache.package import _instruments
 from otel_kvcache.version import __version__
-from otel_kvcache.wiring.resource import handed_down_attributes, is_vllms_first_process
+from otel_kvcache.process_identity import handed_down_attributes, is_vllms_first_process
 
 _logger = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ from otel_kvcache.engine.instruments import KVCacheInstruments
 from otel_kvcache.engine.live_snapshot import SnapshotPublisher
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.drain import wait_for_helpers_at_exit
-from otel_kvcache.export.spans import RequestExporter, RequestHistograms
+from otel_kvcache.export.spans import SpanBuilder, RequestHistograms
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.package import _instruments, _instruments_any
 from otel_kvcache.version import __version__
 from otel_kvcache.wiring.hooks import LazyPatcher
 from otel_kvcache.wiring.patch import build_wrappers, unpatch_connector_hooks
-from otel_kvcache.wiring.resource import is_vllms_first_process
+from otel_kvcache.process_identity import is_vllms_first_process
 
 _SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
 
@@ -59,22 +59,22 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
             if is_vllms_first_process():  # its engines' helpers outlive them
                 wait_for_helpers_at_exit()
 
-            def exporter_for():
-                from otel_kvcache.export.exporter_process import ExporterProcess
-                from otel_kvcache.wiring.resource import engine_identity
+            def record_sink_for():
+                from otel_kvcache.export.helper_pipe import HelperPipe
+                from otel_kvcache.process_identity import engine_identity
 
                 # The helper speaks for this EngineCore: same role, pid and service instance.
-                return ExporterProcess(engine_identity(), errors, instruments.telemetry_dropped)
+                return HelperPipe(engine_identity(), errors, instruments.telemetry_dropped)
 
         else:
-            in_process = RequestExporter(tracer, RequestHistograms(meter))
+            in_process = SpanBuilder(tracer, RequestHistograms(meter))
 
-            def exporter_for():
+            def record_sink_for():
                 return in_process
 
         self._publisher = SnapshotPublisher(errors) if config.top_snapshot() == "on" else None
         self._patcher = LazyPatcher(
-            vllm_compat.HOOK_POINTS, build_wrappers(exporter_for, instruments, errors, self._publisher)
+            vllm_compat.HOOK_POINTS, build_wrappers(record_sink_for, instruments, errors, self._publisher)
         )
         self._patcher.start()
         self._kv_instruments = instruments

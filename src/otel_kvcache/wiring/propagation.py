@@ -22,9 +22,8 @@ instrumentation extracts it), else from the caller's ``baggage`` header, which
 copies them onto the span (``baggage_entries``).
 
 Between a prefill and a decode engine, a producer's span travels as a W3C
-``traceparent`` in the ``kv_transfer_params`` vLLM hands on (``connectors.py``):
-``traceparent_for`` writes it and ``remote_span_context`` reads it, both through
-the W3C propagator.
+``traceparent`` in the ``kv_transfer_params`` vLLM hands on (``engine.connectors``),
+through the helpers this shares with the engine and the exporter (``otel_kvcache.trace_context``).
 """
 
 from __future__ import annotations
@@ -34,20 +33,14 @@ from contextvars import ContextVar
 from typing import Any
 
 from opentelemetry import baggage, trace
-from opentelemetry.baggage.propagation import W3CBaggagePropagator
-from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_kvcache import config
-from otel_kvcache.engine.bounds import cut, trace_headers_within
+from otel_kvcache.bounds import trace_headers_within
 from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.trace_context import BAGGAGE_HEADER, TRACE_CONTEXT, baggage_entries, baggage_header
 
 # The W3C trace context travels, and of the baggage (user data) only the entries named.
-_TRACE_CONTEXT = TraceContextTextMapPropagator()
-_BAGGAGE = W3CBaggagePropagator()
-BAGGAGE_HEADER = "baggage"
-_CALLER_HEADERS = (*_TRACE_CONTEXT.fields, BAGGAGE_HEADER)
+_CALLER_HEADERS = (*TRACE_CONTEXT.fields, BAGGAGE_HEADER)
 
 
 def first_argument(args: tuple, kwargs: dict, name: str) -> Any:
@@ -101,34 +94,15 @@ def trace_context_carrier(baggage_keys: tuple[str, ...], limit: int) -> dict[str
     carrier: dict[str, str] = {}
     incoming = _incoming_trace_headers.get()
     if trace.get_current_span().get_span_context().is_valid:
-        _TRACE_CONTEXT.inject(carrier)
+        TRACE_CONTEXT.inject(carrier)
     elif incoming:
-        carrier.update({k: v for k in _TRACE_CONTEXT.fields if (v := incoming.get(k)) is not None})
+        carrier.update({k: v for k in TRACE_CONTEXT.fields if (v := incoming.get(k)) is not None})
     if baggage_keys:
         entries = {k: str(v) for k in baggage_keys if (v := baggage.get_baggage(k)) is not None}
-        carried = _baggage_header(entries or baggage_entries(incoming, baggage_keys, limit), limit)
+        carried = baggage_header(entries or baggage_entries(incoming, baggage_keys, limit), limit)
         if carried:
             carrier[BAGGAGE_HEADER] = carried
     return carrier
-
-
-def _baggage_header(entries: Mapping[str, str], limit: int) -> str | None:
-    context = Context()
-    for key, value in entries.items():
-        context = baggage.set_baggage(key, cut(value, limit), context)
-    carrier: dict[str, str] = {}
-    _BAGGAGE.inject(carrier, context)
-    return carrier.get(BAGGAGE_HEADER)
-
-
-def baggage_entries(headers: Mapping[str, str] | None, keys: tuple[str, ...], limit: int) -> dict[str, str]:
-    """The entries named ``keys`` of the W3C ``baggage`` header in ``headers``, their
-    values cut to ``limit`` (the propagator bounds the header and its entries)."""
-    header = headers.get(BAGGAGE_HEADER) if headers and keys else None
-    if not isinstance(header, str):
-        return {}
-    entries = baggage.get_all(_BAGGAGE.extract({BAGGAGE_HEADER: header}, context=Context()))
-    return {key: cut(str(value), limit) for key in keys if (value := entries.get(key)) is not None}
 
 
 def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
@@ -149,21 +123,3 @@ def attach_trace_context_wrapper(hook: str, errors: InstrumentationErrors):
         return result
 
     return wrapper
-
-
-def remote_span_context(traceparent: object) -> SpanContext | None:
-    """The span a W3C ``traceparent`` names, or None where it names none (it may come
-    from a client, as anything)."""
-    if not isinstance(traceparent, str):
-        return None
-    context = _TRACE_CONTEXT.extract({"traceparent": traceparent})
-    span_context = trace.get_current_span(context).get_span_context()
-    return span_context if span_context.is_valid else None
-
-
-def traceparent_for(trace_id: int, span_id: int, trace_flags: TraceFlags) -> str:
-    """The W3C ``traceparent`` of a span in that trace, sampled as ``trace_flags`` say."""
-    span = NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=False, trace_flags=trace_flags))
-    carrier: dict[str, str] = {}
-    _TRACE_CONTEXT.inject(carrier, trace.set_span_in_context(span))
-    return carrier["traceparent"]

@@ -11,7 +11,7 @@ from conftest import Telemetry, export_through_a_helper
 from demo.otlp_sink import OTLPSink, attributes_of
 
 from otel_kvcache import VLLMKVCacheInstrumentor, names
-from otel_kvcache.export.exporter_process import ExporterProcess
+from otel_kvcache.export.helper_pipe import HelperPipe
 
 TRACE_ID, PARENT_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
 
@@ -26,7 +26,7 @@ def helper_telemetry(helper_exports_to):
     instrumentor.uninstrument()
 
 
-def helper_pid(exporter: ExporterProcess, timeout: float = 30) -> int:
+def helper_pid(exporter: HelperPipe, timeout: float = 30) -> int:
     """The helper's pid, once its first acknowledgement has come."""
     deadline = time.monotonic() + timeout
     while exporter.helper_pid is None and time.monotonic() < deadline:
@@ -76,8 +76,8 @@ def test_spans_and_histograms_from_the_helper_match_vllm(model_config, helper_ex
             for i in range(6)
         ]
         engine.run()
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
-        assert isinstance(exporter, ExporterProcess)
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
+        assert isinstance(exporter, HelperPipe)
         assert exporter.close(wait=30)  # the helper gets EOF, flushes its SDK and exits
     finally:
         instrumentor.uninstrument()
@@ -140,8 +140,8 @@ def test_the_helper_finds_each_requests_miss_reasons_as_vllm_missed(
     instrumentor.instrument(meter_provider=telemetry.meter_provider)
     try:
         engine = replayed()
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
-        assert isinstance(exporter, ExporterProcess)
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
+        assert isinstance(exporter, HelperPipe)
         assert exporter.close(wait=30)
         misses = {
             reason: telemetry.total(names.PREFIX_CACHE_MISSES, **{names.MISS_REASON: reason})
@@ -190,7 +190,7 @@ def test_an_idle_engine_hands_its_whole_backlog_to_the_helper(model_config, help
         engine = EngineHarness(make_scheduler(model_config, num_blocks=512, max_num_seqs=256))
         requests = [engine.add(engine.make_request(f"burst-{i:04d}", prompt_len=20, max_tokens=2)) for i in range(1200)]
         engine.run()
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
         assert exporter.dropped == 0
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -221,15 +221,15 @@ def test_a_busy_engine_hands_over_without_waiting_and_the_pipes_thread_sends_it(
     from engine_harness import EngineHarness
     from harness.scheduler import make_scheduler
 
-    from otel_kvcache.export import exporter_process
+    from otel_kvcache.export import helper_pipe
 
-    monkeypatch.setattr(exporter_process, "FLUSH_SECONDS", 0.0)  # a hand-over due at every step
+    monkeypatch.setattr(helper_pipe, "FLUSH_SECONDS", 0.0)  # a hand-over due at every step
     sink = helper_exports_to
     instrumentor = VLLMKVCacheInstrumentor()
     instrumentor.instrument(meter_provider=Telemetry().meter_provider)
     try:
         engine = EngineHarness(make_scheduler(model_config, num_blocks=512, max_num_seqs=64))
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
         helper_pid(exporter)
         running = engine.add(engine.make_request("running", prompt_len=40, max_tokens=200))  # never idle
         finished = [engine.add(engine.make_request(f"done-{i}", prompt_len=40, max_tokens=4)) for i in range(20)]
@@ -261,17 +261,17 @@ def test_a_helper_that_stops_reading_costs_spans_never_memory(model_config, help
     from engine_harness import EngineHarness
     from harness.scheduler import make_scheduler
 
-    from otel_kvcache.export import exporter_process
+    from otel_kvcache.export import helper_pipe
 
-    monkeypatch.setattr(exporter_process, "MAX_BUFFERED_BYTES", 0)  # one unread frame is too many
+    monkeypatch.setattr(helper_pipe, "MAX_BUFFERED_BYTES", 0)  # one unread frame is too many
     sink = helper_exports_to
     telemetry = Telemetry()
     instrumentor = VLLMKVCacheInstrumentor()
     instrumentor.instrument(meter_provider=telemetry.meter_provider)
     try:
         engine = EngineHarness(make_scheduler(model_config, num_blocks=512, max_num_seqs=64))
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
-        fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, 4096)  # a page: a few records fill it
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
+        fcntl.fcntl(exporter._helper.fd, fcntl.F_SETPIPE_SZ, 4096)  # a page: a few records fill it
         os.kill(helper_pid(exporter), signal.SIGSTOP)
         requests = []
         for wave in range(3):  # the engine hands over what it has whenever it goes idle
@@ -317,7 +317,7 @@ def test_a_finding_about_an_ended_request_joins_its_trace_from_the_helper(
         engine.add(engine.make_request("bystander", prompt_len=40, max_tokens=30))
         engine.run()
         leaked = engine.held_blocks("victim")  # vLLM's own KV manager still lists them
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
         assert exporter.close(wait=30)
     finally:
         instrumentor.uninstrument()
@@ -341,7 +341,7 @@ def _kv_span_ids(sink) -> set[str]:
     }
 
 
-def _settled(exporter: ExporterProcess, timeout: float = 30) -> None:
+def _settled(exporter: HelperPipe, timeout: float = 30) -> None:
     """Until the helper has acknowledged everything it was written."""
     deadline = time.monotonic() + timeout
     exporter.flush()
@@ -367,7 +367,7 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
 
     sink, telemetry = helper_exports_to, helper_telemetry
     engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
-    exporter = engine.scheduler._otel_kvcache_engine.exporter
+    exporter = engine.scheduler._otel_kvcache_engine.record_sink
 
     def wave(name: str, count: int) -> set[str]:
         requests = [engine.add(engine.make_request(f"{name}-{i}", prompt_len=40, max_tokens=8)) for i in range(count)]
@@ -380,7 +380,7 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
     first_helper = helper_pid(exporter)
     os.kill(first_helper, signal.SIGSTOP)
     if pipe_bytes:
-        fcntl.fcntl(exporter._fd, fcntl.F_SETPIPE_SZ, pipe_bytes)
+        fcntl.fcntl(exporter._helper.fd, fcntl.F_SETPIPE_SZ, pipe_bytes)
         # One frame for the wave, handed over as the engine goes idle: a wave that outlasts
         # a flush interval (a slow host) would first hand over a frame that fills the pipe,
         # and the next one, written whole or not at all (PIPE_BUF), would start no part.
@@ -394,7 +394,7 @@ def test_a_dead_helper_is_replaced_and_what_it_took_with_it_is_counted(
     os.kill(first_helper, signal.SIGKILL)
     # Noticed at the next hand-over once its pipes have closed: the clock starts then (a
     # hand-over a moment before, the signal not yet through, would leave it a second later).
-    assert select.select([exporter._acks_fd], [], [], 10.0)[0], "the helper's pipes stayed open"
+    assert select.select([exporter._helper._acks_fd], [], [], 10.0)[0], "the helper's pipes stayed open"
     noticed_by = time.monotonic() + 1.0  # one flush interval of a busy engine
     while exporter.helper_pid == first_helper and time.monotonic() < noticed_by:
         exporter.flush_if_due(time.monotonic())  # what the engine's chores call each step
@@ -420,11 +420,11 @@ def test_helpers_that_keep_dying_are_given_up_on_with_one_log_line(model_config,
     from engine_harness import EngineHarness
     from harness.scheduler import make_scheduler
 
-    from otel_kvcache.export.exporter_process import MAX_DEATHS
+    from otel_kvcache.export.helper_process import MAX_DEATHS
 
     telemetry = helper_telemetry
     engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
-    exporter = engine.scheduler._otel_kvcache_engine.exporter
+    exporter = engine.scheduler._otel_kvcache_engine.record_sink
     with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
         for _ in range(MAX_DEATHS):
             pid = helper_pid(exporter)
@@ -457,7 +457,7 @@ def test_an_exporter_that_refuses_everything_counts_every_span(model_config, mon
     instrumentor.instrument(meter_provider=telemetry.meter_provider)
     try:
         engine = EngineHarness(make_scheduler(model_config, num_blocks=256))
-        exporter = engine.scheduler._otel_kvcache_engine.exporter
+        exporter = engine.scheduler._otel_kvcache_engine.record_sink
         requests = []
         for wave in range(3):
             requests += [engine.add(engine.make_request(f"w{wave}-{i}", prompt_len=40, max_tokens=4)) for i in range(9)]
@@ -497,16 +497,15 @@ def test_prefix_events_whose_hashes_never_came_cost_that_event_and_no_more(caplo
     serial or hash), reads on from there, and says so once."""
     import hashlib
 
-    from otel_kvcache.engine import tally
-    from otel_kvcache.export.exporter_process import PrefixEvents, _HandedOverMisses
-    from otel_kvcache.export.miss_reasons import MissReasonsFromTheEngine
-    from otel_kvcache.export.spans import RequestEnded
+    from otel_kvcache.handover import tally
+    from otel_kvcache.handover.miss_reasons import MissesForTheHelper, MissReasonsFromTheEngine, PrefixEvents
+    from otel_kvcache.handover.record import RequestEnded, finished_request
     from otel_kvcache.vllm_compat.layouts import single_group
 
     block_hash = [hashlib.sha256(bytes([n])).digest() for n in range(3)]  # as vLLM's hasher makes them
     tallies = [tally.blank_tally(16, 64) for _ in range(3)]
     events: list = []
-    handed_over = _HandedOverMisses(events)
+    handed_over = MissesForTheHelper(events)
     handed_over.unit = 16
     helper = MissReasonsFromTheEngine()
     layout = tuple(single_group(16))
@@ -524,9 +523,8 @@ def test_prefix_events_whose_hashes_never_came_cost_that_event_and_no_more(caplo
     assert caplog.text.count("lost their order") == 1
 
     def reasons(counts: list) -> tuple[int, int]:
-        record = RequestEnded("r", None, "stop", tally.PACKED.pack(*counts), None, 0)
-        filled = tally.PACKED.unpack(helper.filled_in(record).tally)
-        return filled[tally.EVICTED_TOKENS], filled[tally.COLD_TOKENS]
+        finished = finished_request(RequestEnded("r", None, "stop", helper.filled_in(tally.PACKED.pack(*counts)), None, 0))
+        return finished.evicted_tokens, finished.cold_tokens
 
     assert [reasons(counts) for counts in tallies] == [(16, 0), (0, 16), (32, 0)]
     assert not helper.took(RequestEnded("r", None, "stop", tally.PACKED.pack(*tallies[0]), None, 0))

@@ -2,7 +2,7 @@
 
 The engine keeps one per live request (``EngineTelemetry.requests``) and, when
 the request ends, hands its bytes (``PACKED``) to the exporter, which reads them
-back into a ``FinishedRequest`` (``export.spans.finished_request``). Flat on
+back into a ``FinishedRequest`` (``record.finished_request``). Flat on
 purpose: a tally made of Python objects (a slotted object, its event list and
 tuples) is a dozen small objects allocated at admission, scattered over the heap,
 all cold again when the request ends. Reading and serializing them at release
@@ -41,8 +41,8 @@ FIELDS = (
     "preemptions",
     "recomputed_tokens",
     "stalls",
-    "evicted_tokens",  # prefix-lookup misses by reason (``whatif.py``)
-    "cold_tokens",
+    "evicted_tokens",  # of the missed tokens, those whose blocks were evicted (``miss_reasons.py``)
+    "missed_tokens",  # prompt tokens the prefix lookups missed: evicted, or else cold
     "still_held",
     "request_id_length",  # a client's request id that was cut: its length (``bounds.py``), else 0
     "occupancy_block_ns",  # blocks held, integrated over time: the stretches closed so far (``hold``)
@@ -67,7 +67,7 @@ FIELDS = (
     "stretch_start_tokens",  # the computed tokens then
     "released_tokens",  # computed tokens at release: where the last stretch ends (``released_occupancy``)
     "session_id_length",  # a client's session id that was cut: its length (``bounds.py``), else 0
-    "lookup_serial",  # its missed lookups' number in what the helper is handed (0: none), ``exporter_process.py``
+    "lookup_serial",  # its missed lookups' number in what the helper is handed (0: none), ``miss_reasons.py``
     "period_hit_blocks",  # the blocks the prefix hit of the admission period under way gave it
 )
 (
@@ -84,7 +84,7 @@ FIELDS = (
     RECOMPUTED_TOKENS,
     STALLS,
     EVICTED_TOKENS,
-    COLD_TOKENS,
+    MISSED_TOKENS,
     STILL_HELD,
     REQUEST_ID_LENGTH,
     OCCUPANCY_BLOCK_NS,
@@ -110,7 +110,8 @@ FIELDS = (
 ) = range(len(FIELDS))
 
 REPORTED = FIELDS[: TURN_GAP_NS + 1]
-"""The counts the span reports, named as ``export.spans.FinishedRequest``'s fields."""
+"""The counts the span reports as they are, named as ``record.FinishedRequest``'s fields
+(the missed tokens but the evicted ones are its ``cold_tokens``)."""
 PACKED = Struct(f"{len(FIELDS)}q")
 """A released tally's bytes, 64-bit counts in the machine's order: ``PACKED.pack(*tally)``
 (``packed_clamped`` where a count is past 64 bits), read back by ``PACKED.unpack``."""

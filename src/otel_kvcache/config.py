@@ -22,7 +22,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from opentelemetry.sdk import environment_variables as sdk_variables
 
@@ -219,7 +219,10 @@ class AutoPath:
         return "not an absolute path: `auto`"
 
 
-class Reading(NamedTuple, Generic[T]):
+@dataclass(frozen=True)
+class Reading(Generic[T]):
+    """One setting, as the environment has it now."""
+
     raw: str | None
     """The variable's value; None where it is not set."""
     value: T
@@ -244,10 +247,10 @@ class Setting(Generic[T]):
         return Reading(raw, value, complaint)
 
     def __call__(self) -> T:
-        raw, value, complaint = self.reading()
-        if complaint is not None:
-            _warn_once(self.variable, raw or "", complaint)
-        return value
+        reading = self.reading()
+        if reading.complaint is not None:
+            _warn_once(self.variable, reading.raw or "", reading.complaint)
+        return reading.value
 
 
 reconcile_seconds: Setting[float] = Setting(

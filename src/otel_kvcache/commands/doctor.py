@@ -94,16 +94,17 @@ def _setting_lines() -> list[str]:
     what is wrong with it (the warning vLLM's first process would log)."""
     lines = []
     for setting in config.SETTINGS:
-        raw, value, complaint = setting.reading()
+        reading = setting.reading()
+        value = reading.value
         if value is None:
             shown = "auto"
         elif isinstance(value, list):
             shown = ",".join(value) or "none"
         else:
             shown = f"{value:g}" if isinstance(value, float) else str(value)
-        if complaint is not None:
-            shown += f"  WARNING: {raw!r} {complaint}"
-        elif raw is None or not raw.strip():
+        if reading.complaint is not None:
+            shown += f"  WARNING: {reading.raw!r} {reading.complaint}"
+        elif reading.raw is None or not reading.raw.strip():
             shown += " (not set)"
         lines.append(f"  {setting.variable:40} {shown}")
     return lines

@@ -1,5 +1,5 @@
-"""The README against the code: its configuration table is every setting with the default the
-code uses, the reference tables (``docs/telemetry.md``) use the names module's names, and the
+"""The README against the code: its configuration table is the one ``config.SETTINGS`` renders,
+every setting with the default the code uses, the reference tables (``docs/telemetry.md``) use the names module's names, and the
 links of the README and every page in ``docs/`` lead to files."""
 
 from __future__ import annotations

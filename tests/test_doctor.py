@@ -1,4 +1,4 @@
-"""``otel-kvcache doctor`` against the installed vLLM, and against one that lost a hook point."""
+"""``otel-kvcache doctor`` against the installed vLLM, against one that lost a hook point, and its settings."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
+from otel_kvcache import config
 from otel_kvcache.vllm_compat import hook_points_of
 
 pytestmark = pytest.mark.slow  # each runs doctor, importing vLLM, in a process of its own
@@ -84,3 +85,22 @@ def test_doctor_sees_a_changed_signature():
     )
     line = " ".join(_line_of(result.stdout, "Scheduler._preempt_request"))
     assert line.startswith("changed") and "takes (victim, timestamp)" in line
+
+
+def test_doctor_gives_every_settings_value_and_names_a_bad_one():
+    environment = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0", "OTEL_KVCACHE_STUCK_STEPS": "many",
+                   "OTEL_KVCACHE_BAGGAGE_KEYS": "tenant.id", "OTEL_KVCACHE_TOP_DIR": "auto"}  # fmt: skip
+    for variable in ("OTEL_KVCACHE_RECONCILE_SECONDS", "OTEL_KVCACHE_WHATIF_SAMPLE_RATE", "OTEL_KVCACHE_ATTRIBUTION"):
+        environment.pop(variable, None)
+    result = subprocess.run([DOCTOR, "doctor"], capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, result.stdout + result.stderr
+    section = result.stdout[result.stdout.index("settings (") :].split("\n\n")[0].splitlines()[1:]
+    values = {words[0]: " ".join(words[1:]) for words in (line.split() for line in section)}
+    assert list(values) == [setting.variable for setting in config.SETTINGS], section
+    assert values["OTEL_KVCACHE_STUCK_STEPS"] == "1024 WARNING: 'many' is not a finite number >= 1; using 1024"
+    assert values["OTEL_KVCACHE_BAGGAGE_KEYS"] == "tenant.id"
+    assert values["OTEL_KVCACHE_TOP_DIR"] == "auto"
+    assert values["OTEL_KVCACHE_RECONCILE_SECONDS"] == "5 (not set)"
+    assert values["OTEL_KVCACHE_WHATIF_SAMPLE_RATE"] == "auto (not set)"
+    assert values["OTEL_KVCACHE_ATTRIBUTION"] == "gen_ai.request.model (not set)"
+    assert "otel-kvcache: OTEL_KVCACHE_STUCK_STEPS" not in result.stderr  # named once, in the report

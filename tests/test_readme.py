@@ -1,11 +1,10 @@
-"""The README against the code: its configuration table is every setting with the default the
-code uses, the reference tables (``docs/telemetry.md``) use the names module's names, and the
+"""The README against the code: its configuration table is the one ``config.SETTINGS`` renders,
+every setting with the default the code uses, the reference tables (``docs/telemetry.md``) use the names module's names, and the
 links of the README and every page in ``docs/`` lead to files."""
 
 from __future__ import annotations
 
 import ast
-import inspect
 import logging
 import re
 from pathlib import Path
@@ -77,30 +76,14 @@ def documented_default(variable: str) -> str:
     return (code_spans(row[1]) or [row[1]])[0]
 
 
-def defined_in_config() -> set[str]:
-    """The environment variables ``config.py`` names: its module-level constants that are one."""
-    constants = vars(config).values()
-    return {value for value in constants if isinstance(value, str) and re.fullmatch(r"OTEL_[A-Z0-9_]+", value)}
+def declared() -> dict[str, config.Setting]:
+    """The settings ``config.py`` declares, by variable."""
+    return {setting.variable: setting for setting in config.SETTINGS}
 
 
 def named_in_the_package() -> set[str]:
     """Every ``OTEL_KVCACHE_*`` name written anywhere in the package's source."""
     return {name for path in PACKAGE.rglob("*.py") for name in re.findall(rf"\b{PREFIX}[A-Z0-9_]+", path.read_text())}
-
-
-def accessor(variable: str):
-    """The function of ``config`` that reads ``variable``: the one whose code names its constant."""
-    constants = {name for name, value in vars(config).items() if value == variable}
-    readers = [
-        function
-        for name, function in inspect.getmembers(config, inspect.isfunction)
-        if function.__module__ == config.__name__
-        and not name.startswith("_")
-        and not inspect.signature(function).parameters
-        and constants & set(function.__code__.co_names)
-    ]
-    assert len(readers) == 1, f"{variable}: expected one accessor in config.py, found {readers}"
-    return readers[0]
 
 
 def matches(documented: str, value: object) -> bool:
@@ -118,18 +101,37 @@ def matches(documented: str, value: object) -> bool:
     return documented == value
 
 
+def test_the_configuration_table_is_the_one_the_declarations_render():
+    text = section("Configuration")
+    written = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    rendered = config.markdown_table()
+    assert written == rendered, (
+        "the README's configuration table is not the one config.py's settings render "
+        f"(python -m otel_kvcache.config prints it); paste this in its place:\n{rendered}"
+    )
+
+
 def test_the_configuration_table_is_every_setting_and_nothing_else():
-    settings = (defined_in_config() | named_in_the_package()) - set(INTERNAL)
+    settings = (set(declared()) | named_in_the_package()) - set(INTERNAL)
     assert set(configuration_table()) == settings
+    assert set(declared()).isdisjoint(INTERNAL)
     assert set(INTERNAL) <= named_in_the_package(), "an internal variable the package no longer uses"
     text = section("Configuration")
     assert [variable for variable in INTERNAL if f"`{variable}`" not in text] == [], "say that these are not settings"
 
 
-@pytest.mark.parametrize("variable", sorted(defined_in_config() - set(INTERNAL)))
+def test_every_setting_is_read_by_its_own_name():
+    """The rest of the package reads ``config.<name>()`` and names ``config.<NAME>``: both are the declaration."""
+    for variable, setting in declared().items():
+        readers = [name for name, value in vars(config).items() if value is setting]
+        constants = [name for name, value in vars(config).items() if value == variable]
+        assert len(readers) == 1 and len(constants) == 1, (variable, readers, constants)
+
+
+@pytest.mark.parametrize("variable", sorted(declared()))
 def test_the_table_gives_the_default_the_code_uses(monkeypatch, variable):
     monkeypatch.delenv(variable, raising=False)
-    default = accessor(variable)()
+    default = declared()[variable]()
     documented = documented_default(variable)
     assert matches(documented, default), f"{variable}: the README says {documented!r}, the code uses {default!r}"
 
@@ -138,22 +140,21 @@ BAD_VALUES = {config.BAGGAGE_KEYS: "tenant id"}
 """Where "not-a-value" is a good value (a baggage key), a bad one."""
 
 
-@pytest.mark.parametrize("variable", sorted(defined_in_config() - set(INTERNAL)))
+@pytest.mark.parametrize("variable", sorted(declared()))
 def test_a_bad_value_is_named_and_replaced_by_that_default(monkeypatch, caplog, variable):
     monkeypatch.setenv(config.WARNED_SETTINGS, "[]")
     monkeypatch.setenv(variable, BAD_VALUES.get(variable, "not-a-value"))
     with caplog.at_level(logging.WARNING, logger=config.__name__):
-        used = accessor(variable)()
+        used = declared()[variable]()
     assert matches(documented_default(variable), used)
     assert [record.getMessage() for record in caplog.records if variable in record.getMessage()], "no warning named it"
 
 
 def test_every_choice_of_a_setting_is_in_its_row():
     choices = {
-        variable: vars(config)[name + "_CHOICES"]
-        for name, variable in vars(config).items()
-        if isinstance(variable, str) and variable in defined_in_config() and name + "_CHOICES" in vars(config)
+        variable: setting.kind.choices for variable, setting in declared().items() if getattr(setting.kind, "choices", ())
     }
+    assert set(choices) >= {config.EXPORTER_PROCESS, config.FASTAPI_EXCLUDE_SPANS, config.ATTRIBUTION}
     rows = configuration_table()
     missing = {
         variable: [choice for choice in options if f"`{choice}`" not in " ".join(rows.get(variable, []))]

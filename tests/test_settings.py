@@ -63,6 +63,71 @@ def test_fastapi_exclude_spans_keeps_the_spans_it_knows_and_names_the_rest(monke
     assert config.fastapi_exclude_spans() == []
 
 
+@pytest.mark.parametrize(
+    ("variable", "good", "read_as", "bad", "default"),
+    [
+        (config.STUCK_STEPS, "1", 1, "0", 1024),
+        (config.STUCK_STEPS, "7", 7, "2.5", 1024),
+        (config.RECONCILE_SECONDS, "0", 0.0, "-0.5", 5.0),
+        (config.CLIENT_VALUE_LENGTH_LIMIT, "16", 16, "15", 256),
+        (config.EXPORT_MAX_BYTES, "65536", 65536, "65535", 3 << 20),
+        (config.EXPORT_HOLD_BYTES, "0", 0, "-1", 64 << 20),
+        (config.CONNECTOR_TIMEOUT_SECONDS, "0", 0.0, "-0.5", None),
+        (config.WHATIF_SAMPLE_RATE, "1", 1.0, "0", None),
+        (config.WHATIF_SAMPLE_RATE, "0.25", 0.25, "1.5", None),
+        (config.EXPORTER_PROCESS, " ON ", "on", "sometimes", "auto"),
+        (config.TOP_SNAPSHOT, "Off", "off", "no", "on"),
+        (config.TOP_DIR, "/srv/otel-kvcache", "/srv/otel-kvcache", "otel-kvcache", None),
+    ],
+)
+def test_a_value_at_its_bound_is_used_and_one_past_it_is_refused(monkeypatch, caplog, variable, good, read_as, bad,
+                                                                 default):  # fmt: skip
+    read = {setting.variable: setting for setting in config.SETTINGS}[variable]
+    monkeypatch.setenv(config.WARNED_SETTINGS, "[]")
+    monkeypatch.setenv(variable, good)
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        assert read() == read_as
+        assert caplog.records == []
+        monkeypatch.setenv(variable, bad)
+        assert read() == default
+    [message] = [r.getMessage() for r in caplog.records]
+    assert f"{variable}={bad!r}" in message and "using" in message
+
+
+def test_the_sdks_attribute_limit_wins_where_lower(monkeypatch):
+    monkeypatch.setenv(config.CLIENT_VALUE_LENGTH_LIMIT, "64")
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "40")
+    assert config.client_value_length_limit() == 40
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "4000")
+    assert config.client_value_length_limit() == 64
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "0")
+    assert config.client_value_length_limit() == 1
+
+
+def test_attribution_takes_the_baggage_keys_and_names_what_it_leaves_out(monkeypatch, caplog):
+    monkeypatch.setenv(config.WARNED_SETTINGS, "[]")
+    monkeypatch.setenv(config.BAGGAGE_KEYS, "tenant.id, tenant.id")
+    monkeypatch.setenv(config.ATTRIBUTION, "tenant.id,session.id,vllm.request.priority")
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        assert config.baggage_keys() == ["tenant.id"]
+        assert config.attribution() == ["tenant.id", names.PRIORITY]
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "OTEL_KVCACHE_ATTRIBUTION='tenant.id,session.id,vllm.request.priority'" in message
+    assert "using tenant.id,vllm.request.priority" in message
+    monkeypatch.setenv(config.ATTRIBUTION, "session.id")
+    assert config.attribution() == [names.MODEL]  # none kept: the default
+
+
+def test_check_all_reads_every_setting(monkeypatch, caplog):
+    monkeypatch.setenv(config.WARNED_SETTINGS, "[]")
+    for setting in config.SETTINGS:
+        monkeypatch.setenv(setting.variable, "not a value")
+    with caplog.at_level(logging.WARNING, logger="otel_kvcache"):
+        config.check_all()
+    warned = {r.getMessage().split("=")[0].removeprefix("otel-kvcache: ") for r in caplog.records}
+    assert warned == {setting.variable for setting in config.SETTINGS}
+
+
 def test_a_nan_interval_still_finds_an_injected_zombie(monkeypatch, make_engine, telemetry):
     """With ``nan`` the next pass was never due: a zombie went unreported while the engine was busy."""
     monkeypatch.setenv(config.RECONCILE_SECONDS, "nan")

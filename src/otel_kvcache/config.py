@@ -1,5 +1,11 @@
 """Settings from the environment; a bad value is named in a warning with the value used instead.
 
+Each setting is declared once, below, as a ``Setting``: its variable, its kind
+(the default, the bounds or choices, and how a value is read), and what it sets.
+The declaration is the setting's reader (``config.stuck_steps()``), and
+``check_all``, ``otel-kvcache doctor`` and the README's configuration table
+(``python -m otel_kvcache.config``) all come from ``SETTINGS``.
+
 vLLM's processes inherit the environment, so each of them would read a bad
 value and warn about it (up to one process per worker and engine). The first
 process to warn records it in ``OTEL_KVCACHE_WARNED_SETTINGS``; the processes
@@ -15,7 +21,8 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from opentelemetry.sdk import environment_variables as sdk_variables
 
@@ -23,277 +30,410 @@ from otel_kvcache import names
 
 _logger = logging.getLogger(__name__)
 
-RECONCILE_SECONDS = "OTEL_KVCACHE_RECONCILE_SECONDS"
-"""Seconds between two reconciliations of the pool against its owners (default 5)."""
-ZOMBIE_GRACE_SECONDS = "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS"
-"""How long a finished request may still hold blocks before it is a zombie (default 30)."""
-STUCK_STEPS = "OTEL_KVCACHE_STUCK_STEPS"
-"""Engine steps a running request may go without computing a token before it is stuck (default 1024)."""
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
-CONNECTOR_TIMEOUT_SECONDS = "OTEL_KVCACHE_CONNECTOR_TIMEOUT_SECONDS"
-"""How long a KV connector may hold a finished request's blocks for a send, or keep a
-request waiting for remote KV, before it is a finding; ``auto`` (default): the
-connector's own timeout (``vllm_compat.kv_transfer.connector_timeout_seconds``, 480 s for most)."""
 
-WHATIF_SAMPLE_RATE = "OTEL_KVCACHE_WHATIF_SAMPLE_RATE"
-"""Share of block hashes the what-if curve samples, in (0, 1]; ``auto`` (default): about
-256 blocks per pool's worth (``whatif.default_sample_rate``)."""
+class Kind(Protocol[T_co]):
+    """How one setting's raw value is read, and how the README describes it."""
 
-EXPORTER_PROCESS = "OTEL_KVCACHE_EXPORTER_PROCESS"
-"""Build request spans in a helper process: ``auto`` (default: when the SDK is
-configured from the environment, as by ``opentelemetry-instrument``), ``on``, ``off``."""
-EXPORTER_PROCESS_CHOICES = ("auto", "on", "off")
+    def read(self, raw: str | None) -> tuple[T_co, str | None]:
+        """The value to use, and what is wrong with ``raw`` (None: nothing) for the warning."""
+        ...
 
-DEVICE_METRICS = "OTEL_KVCACHE_GPU_DEVICE_METRICS"
-"""Which processes report the devices' NVML gauges: ``auto`` (vLLM's first process, or
-one vLLM did not start), ``always``, ``never``."""
-DEVICE_METRICS_CHOICES = ("auto", "always", "never")
+    def default_cell(self) -> str:
+        """The default, as the README's table writes it."""
+        ...
 
-VLLM_PLUGIN = "OTEL_KVCACHE_VLLM_PLUGIN"
-"""The ``vllm.general_plugins`` entry point: ``auto`` (default: set up telemetry when an
-``OTEL_*`` variable names an exporter or an endpoint), ``on``, ``off``."""
-VLLM_PLUGIN_CHOICES = ("auto", "on", "off")
+    def bad_value_cell(self) -> str:
+        """What a bad value is, and what is used instead, as the README's table writes it."""
+        ...
 
-FASTAPI_EXCLUDE_SPANS = "OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS"
-"""Comma-separated ASGI spans FastAPI's instrumentation leaves out (``send``, ``receive``;
-default none): its ``exclude_spans`` option, which the distro and the plugin pass it.
-A streamed response makes one ``http send`` span per chunk without it."""
-FASTAPI_EXCLUDE_SPANS_CHOICES = ("send", "receive")
 
-CLIENT_VALUE_LENGTH_LIMIT = "OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT"
-"""Most characters recorded of a value a client chooses (a request id, a trace header), at
-least 16 (default 256); longer ones are cut (``bounds.py``)."""
-EXPORT_MAX_BYTES = "OTEL_KVCACHE_EXPORT_MAX_BYTES"
-"""Most bytes in one span export request (default 3 MiB, under a collector's default 4 MiB)."""
-EXPORT_HOLD_BYTES = "OTEL_KVCACHE_EXPORT_HOLD_BYTES"
-"""Most bytes of spans held, per exporter, while the collector takes nothing (default 64 MiB;
-0 holds none)."""
-EXPORT_HOLD_SECONDS = "OTEL_KVCACHE_EXPORT_HOLD_SECONDS"
-"""Longest a span is held while the collector takes nothing (default 300, the Collector's
-own exporters' retry time)."""
+def _unset(raw: str | None) -> bool:
+    return raw is None or raw.strip() == ""
 
-BAGGAGE_KEYS = "OTEL_KVCACHE_BAGGAGE_KEYS"
-"""Comma-separated W3C baggage keys (``tenant.id``, say) copied onto each request's span
-under their own names, and carried to the engine with the trace headers (default none)."""
-ATTRIBUTION = "OTEL_KVCACHE_ATTRIBUTION"
-"""Comma-separated attributes the attribution metrics are broken down by: drawn from
-``gen_ai.request.model``, ``vllm.request.priority`` and the baggage keys (default
-``gen_ai.request.model``)."""
-ATTRIBUTION_LIMIT = "OTEL_KVCACHE_ATTRIBUTION_LIMIT"
-"""Most series per attribution metric (default 32); the rest fold into one overflow series."""
-SESSION_TABLE_SIZE = "OTEL_KVCACHE_SESSION_TABLE_SIZE"
-"""Sessions each engine remembers for their turn gaps, least recently seen first out (default 65536)."""
 
-TOP_SNAPSHOT = "OTEL_KVCACHE_TOP_SNAPSHOT"
-"""Each engine publishes a live snapshot for ``otel-kvcache top``: ``on`` (default) or ``off``."""
-TOP_SNAPSHOT_CHOICES = ("on", "off")
-TOP_DIR = "OTEL_KVCACHE_TOP_DIR"
-"""Where the live snapshots lie, an absolute path; ``auto`` (default): ``$XDG_RUNTIME_DIR/otel-kvcache``, else
-``/tmp/otel-kvcache-$UID``); made readable by its user only."""
-TOP_REQUESTS = "OTEL_KVCACHE_TOP_REQUESTS"
-"""Requests holding the most blocks each engine's snapshot lists (default 20)."""
+N = TypeVar("N", int, float)
+
+
+@dataclass(frozen=True)
+class Number(Generic[N]):
+    """A finite number of at least ``minimum``; whole if the default is an int."""
+
+    default: N
+    minimum: N
+    capped_by: str | None = None
+    """A variable of the SDK's whose whole number wins where it is lower (the SDK warns about a bad one)."""
+
+    def read(self, raw: str | None) -> tuple[N, str | None]:
+        value = self.default
+        complaint = None
+        if not _unset(raw):
+            value, complaint = self._parse(raw)
+        if self.capped_by is not None:
+            cap = os.environ.get(self.capped_by, "").strip()
+            if cap.isdigit():
+                value = min(value, max(int(cap), 1))
+        return value, complaint
+
+    def _parse(self, raw: str) -> tuple[N, str | None]:
+        cast = type(self.default)
+        try:
+            value = cast(raw)
+        except ValueError:
+            value = None
+        # nan compares false with everything and inf never comes: either would turn a check off.
+        if value is None or not math.isfinite(value) or value < self.minimum:
+            return self.default, f"is not a finite number >= {self.minimum}; using {self.default}"
+        return value, None
+
+    def default_cell(self) -> str:
+        return f"`{self.default:g}`" if isinstance(self.default, float) else f"`{self.default}`"
+
+    def bad_value_cell(self) -> str:
+        if isinstance(self.default, int):
+            return f"not a whole number of at least {self.minimum}: the default"
+        below = "negative" if self.minimum == 0 else f"below {self.minimum:g}"
+        return f"not a number, {below} or not finite: the default"
+
+
+@dataclass(frozen=True)
+class AutoNumber:
+    """``auto`` (the default, read as None: worked out where the value is used), or a finite
+    number above ``low`` (or at it, where ``low_included``) and at most ``high``."""
+
+    low: float
+    low_included: bool = True
+    high: float = math.inf
+
+    def read(self, raw: str | None) -> tuple[float | None, str | None]:
+        raw = (raw or "").strip()
+        if raw.lower() in ("", "auto"):
+            return None, None
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        above_low = value > self.low or (self.low_included and value == self.low)
+        if not (above_low and math.isfinite(value) and value <= self.high):
+            return None, f"is not auto or {self._expected()}; using auto"
+        return value, None
+
+    def _expected(self) -> str:
+        if self.high == math.inf and self.low_included:
+            return f"a finite number >= {self.low:g}"
+        return f"a number in {'[' if self.low_included else '('}{self.low:g}, {self.high:g}]"
+
+    def default_cell(self) -> str:
+        return "`auto`"
+
+    def bad_value_cell(self) -> str:
+        return f"not `auto` or {self._expected()}: `auto`"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``choices``, in any case; the first is the default."""
+
+    choices: tuple[str, ...]
+
+    def read(self, raw: str | None) -> tuple[str, str | None]:
+        default = self.choices[0]
+        if _unset(raw):
+            return default, None
+        value = raw.strip().lower()
+        if value not in self.choices:
+            return default, f"is not one of {', '.join(self.choices)}; using {default!r}"
+        return value, None
+
+    def default_cell(self) -> str:
+        return f"`{self.choices[0]}`"
+
+    def bad_value_cell(self) -> str:
+        *most, last = (f"`{choice}`" for choice in self.choices)
+        return f"not {', '.join(most)} or {last}: the default"
+
+
+@dataclass(frozen=True)
+class Names:
+    """Comma-separated names, each kept once, in the order named; a name not allowed is
+    left out (and named in the warning). ``default`` where none is named, or none is kept."""
+
+    noun: str
+    """What the names are, for the warning: ``spans``."""
+    choices: tuple[str, ...] = ()
+    """The names allowed."""
+    also: Setting[list[str]] | None = None
+    """A setting whose names are allowed too."""
+    pattern: re.Pattern[str] | None = None
+    """The form of a name allowed, instead of choices."""
+    pattern_name: str = ""
+    """What a name of that form is, for the warning: ``W3C baggage keys``."""
+    default: tuple[str, ...] = ()
+    lower: bool = False
+    """Names are read in lower case."""
+
+    def read(self, raw: str | None) -> tuple[list[str], str | None]:
+        parts = (part.strip() for part in (raw or "").split(","))
+        named = list(dict.fromkeys(part.lower() if self.lower else part for part in parts if part))
+        if not named:
+            return list(self.default), None
+        if self.pattern is not None:
+            kept = [name for name in named if self.pattern.fullmatch(name)]
+            refused = f"{self.noun} that are not {self.pattern_name}"
+        else:
+            allowed = [*self.choices, *(self.also.reading().value if self.also else ())]
+            kept = [name for name in named if name in allowed]
+            refused = f"{self.noun} other than {', '.join(allowed)}"
+        used = kept or list(self.default)
+        if len(kept) < len(named):
+            return used, f"names {refused}; using {','.join(used) or 'none'}"
+        return used, None
+
+    def default_cell(self) -> str:
+        return f"`{','.join(self.default)}`" if self.default else "none"
+
+    def bad_value_cell(self) -> str:
+        if self.pattern is not None:
+            return f"{self.noun} that are not {self.pattern_name}: left out"
+        return f"{self.noun} other than those: left out"
+
+
+@dataclass(frozen=True)
+class AutoPath:
+    """``auto`` (the default, read as None: worked out where the value is used), or an absolute path."""
+
+    def read(self, raw: str | None) -> tuple[str | None, str | None]:
+        raw = (raw or "").strip()
+        if raw.lower() in ("", "auto"):
+            return None, None
+        if not os.path.isabs(raw):
+            return None, "is not auto or an absolute path; using auto"
+        return raw, None
+
+    def default_cell(self) -> str:
+        return "`auto`"
+
+    def bad_value_cell(self) -> str:
+        return "not an absolute path: `auto`"
+
+
+@dataclass(frozen=True)
+class Reading(Generic[T]):
+    """One setting, as the environment has it now."""
+
+    raw: str | None
+    """The variable's value; None where it is not set."""
+    value: T
+    """The value used."""
+    complaint: str | None
+    """What is wrong with ``raw``, and what is used instead; None where nothing is."""
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment variable: calling it reads it, warning once per vLLM instance about a bad value."""
+
+    variable: str
+    kind: Kind[T]
+    description: str
+    """What it sets: the README table's cell (Markdown)."""
+
+    def reading(self) -> Reading[T]:
+        """The value, without a warning."""
+        raw = os.environ.get(self.variable)
+        value, complaint = self.kind.read(raw)
+        return Reading(raw, value, complaint)
+
+    def __call__(self) -> T:
+        reading = self.reading()
+        if reading.complaint is not None:
+            _warn_once(self.variable, reading.raw or "", reading.complaint)
+        return reading.value
+
+
+reconcile_seconds: Setting[float] = Setting(
+    "OTEL_KVCACHE_RECONCILE_SECONDS",
+    Number(5.0, minimum=0.0),
+    "seconds between leak reconciliations (a pass waits at least 1,000 times as long as the last one took); "
+    "`0`: every engine step",
+)
+zombie_grace_seconds: Setting[float] = Setting(
+    "OTEL_KVCACHE_ZOMBIE_GRACE_SECONDS",
+    Number(30.0, minimum=0.0),
+    "how long a finished request may hold blocks before it is a zombie (one a KV connector holds for a "
+    "transfer: its timeout instead)",
+)
+stuck_steps: Setting[int] = Setting(
+    "OTEL_KVCACHE_STUCK_STEPS",
+    Number(1024, minimum=1),
+    "engine steps a running request may go without a new token before it is stuck",
+)
+connector_timeout_seconds: Setting[float | None] = Setting(
+    "OTEL_KVCACHE_CONNECTOR_TIMEOUT_SECONDS",
+    AutoNumber(low=0.0),
+    "how long a KV connector may hold a finished request's blocks, or keep a request waiting for remote KV, "
+    "before it is a finding; `auto`: the connector's own (Mooncake's `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, "
+    "NIXL's `decoder_kv_blocks_ttl`, else 480 s)",
+)
+whatif_sample_rate: Setting[float | None] = Setting(
+    "OTEL_KVCACHE_WHATIF_SAMPLE_RATE",
+    AutoNumber(low=0.0, low_included=False, high=1.0),
+    "the share of block hashes the what-if curve samples, in (0, 1]; `auto`: about 256 blocks per pool's worth "
+    "(all of a pool that small)",
+)
+exporter_process: Setting[str] = Setting(
+    "OTEL_KVCACHE_EXPORTER_PROCESS",
+    Choice(("auto", "on", "off")),
+    "where the request spans are built: `auto` (a helper process, off vLLM's engine thread, when the SDK comes "
+    "from the environment, in-process when `instrument()` is given a `tracer_provider`), `on`, `off`",
+)
+device_metrics: Setting[str] = Setting(
+    "OTEL_KVCACHE_GPU_DEVICE_METRICS",
+    Choice(("auto", "always", "never")),
+    "which processes report `hw.gpu.*`: `auto` (vLLM's first process, or one vLLM did not start), "
+    "`always`, `never`",
+)
+vllm_plugin: Setting[str] = Setting(
+    "OTEL_KVCACHE_VLLM_PLUGIN",
+    Choice(("auto", "on", "off")),
+    "vLLM's plugin entry point: `auto` (sets the SDK up when an `OTEL_*` variable names an exporter or an "
+    "endpoint), `on`, `off`",
+)
+client_value_length_limit: Setting[int] = Setting(
+    "OTEL_KVCACHE_CLIENT_VALUE_LENGTH_LIMIT",
+    Number(256, minimum=16, capped_by=sdk_variables.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT),
+    "most characters recorded of a value a client chooses ([Reliability](#reliability)); "
+    f"the SDK's `{sdk_variables.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT}` wins where lower",
+)
+export_max_bytes: Setting[int] = Setting(
+    "OTEL_KVCACHE_EXPORT_MAX_BYTES",
+    Number(3 << 20, minimum=1 << 16),
+    "most bytes in one span export request (3 MiB: under gRPC's and the Collector's 4 MiB)",
+)
+export_hold_bytes: Setting[int] = Setting(
+    "OTEL_KVCACHE_EXPORT_HOLD_BYTES",
+    Number(64 << 20, minimum=0),
+    "most bytes of spans each process holds, as OTLP encodes them (64 MiB), while the collector takes nothing: "
+    "unreachable, or failing every export; `0` holds none",
+)
+export_hold_seconds: Setting[float] = Setting(
+    "OTEL_KVCACHE_EXPORT_HOLD_SECONDS",
+    Number(300.0, minimum=0.0),
+    "longest a span is held while the collector takes nothing (the Collector's own exporters' retry time)",
+)
+baggage_keys: Setting[list[str]] = Setting(
+    "OTEL_KVCACHE_BAGGAGE_KEYS",
+    Names("keys", pattern=re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"), pattern_name="W3C baggage keys"),
+    "comma-separated W3C baggage keys (`tenant.id`) carried to the engine and recorded on the span under "
+    "their own names; other entries never leave the API server",
+)
+attribution: Setting[list[str]] = Setting(
+    "OTEL_KVCACHE_ATTRIBUTION",
+    Names("attributes", choices=names.ATTRIBUTION_CHOICES, also=baggage_keys, default=(names.MODEL,)),
+    "what the [attribution metrics](docs/telemetry.md#who-holds-the-kv-cache) are broken down by: "
+    f"{', '.join(f'`{name}`' for name in names.ATTRIBUTION_CHOICES)}, baggage keys, comma-separated "
+    "(never a session id: a series per conversation)",
+)
+attribution_limit: Setting[int] = Setting(
+    "OTEL_KVCACHE_ATTRIBUTION_LIMIT",
+    Number(32, minimum=1),
+    "most series per attribution metric, the overflow series besides",
+)
+session_table_size: Setting[int] = Setting(
+    "OTEL_KVCACHE_SESSION_TABLE_SIZE",
+    Number(65536, minimum=1),
+    "sessions each engine remembers for their turn gaps, least recently seen first out (about 110 bytes each)",
+)
+top_snapshot: Setting[str] = Setting(
+    "OTEL_KVCACHE_TOP_SNAPSHOT",
+    Choice(("on", "off")),
+    "each engine publishes a live snapshot for [`otel-kvcache top`](#otel-kvcache-top): `on`, `off`",
+)
+top_dir: Setting[str | None] = Setting(
+    "OTEL_KVCACHE_TOP_DIR",
+    AutoPath(),
+    "where the snapshots lie, an absolute path, made mode 0700; `auto`: `$XDG_RUNTIME_DIR/otel-kvcache`, "
+    "else `/tmp/otel-kvcache-$UID`",
+)
+top_requests: Setting[int] = Setting(
+    "OTEL_KVCACHE_TOP_REQUESTS",
+    Number(20, minimum=1),
+    "requests holding the most blocks each snapshot lists",
+)
+fastapi_exclude_spans: Setting[list[str]] = Setting(
+    "OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS",
+    Names("spans", choices=("send", "receive"), lower=True),
+    "the ASGI spans FastAPI's instrumentation leaves out (its `exclude_spans` option), passed to it by the "
+    "distro and the plugin: `send`, `receive` or both (`send,receive`, to keep a streamed answer from making "
+    "a span per chunk)",
+)
+
+SETTINGS: tuple[Setting, ...] = (
+    reconcile_seconds,
+    zombie_grace_seconds,
+    stuck_steps,
+    connector_timeout_seconds,
+    whatif_sample_rate,
+    exporter_process,
+    device_metrics,
+    vllm_plugin,
+    client_value_length_limit,
+    export_max_bytes,
+    export_hold_bytes,
+    export_hold_seconds,
+    baggage_keys,
+    attribution,
+    attribution_limit,
+    session_table_size,
+    top_snapshot,
+    top_dir,
+    top_requests,
+    fastapi_exclude_spans,
+)
+"""Every setting, in the README's order."""
+
+# The variables' names, as the rest of the package writes them.
+RECONCILE_SECONDS = reconcile_seconds.variable
+ZOMBIE_GRACE_SECONDS = zombie_grace_seconds.variable
+STUCK_STEPS = stuck_steps.variable
+CONNECTOR_TIMEOUT_SECONDS = connector_timeout_seconds.variable
+WHATIF_SAMPLE_RATE = whatif_sample_rate.variable
+EXPORTER_PROCESS = exporter_process.variable
+DEVICE_METRICS = device_metrics.variable
+VLLM_PLUGIN = vllm_plugin.variable
+CLIENT_VALUE_LENGTH_LIMIT = client_value_length_limit.variable
+EXPORT_MAX_BYTES = export_max_bytes.variable
+EXPORT_HOLD_BYTES = export_hold_bytes.variable
+EXPORT_HOLD_SECONDS = export_hold_seconds.variable
+BAGGAGE_KEYS = baggage_keys.variable
+ATTRIBUTION = attribution.variable
+ATTRIBUTION_LIMIT = attribution_limit.variable
+SESSION_TABLE_SIZE = session_table_size.variable
+TOP_SNAPSHOT = top_snapshot.variable
+TOP_DIR = top_dir.variable
+TOP_REQUESTS = top_requests.variable
+FASTAPI_EXCLUDE_SPANS = fastapi_exclude_spans.variable
 
 WARNED_SETTINGS = "OTEL_KVCACHE_WARNED_SETTINGS"
-"""JSON list of ``VARIABLE=value`` already warned about in this vLLM instance."""
-
-
-def reconcile_seconds() -> float:
-    return env_float(RECONCILE_SECONDS, 5.0)
-
-
-def zombie_grace_seconds() -> float:
-    return env_float(ZOMBIE_GRACE_SECONDS, 30.0)
-
-
-def stuck_steps() -> int:
-    return env_int(STUCK_STEPS, 1024)
-
-
-def connector_timeout_seconds() -> float | None:
-    """None for ``auto``."""
-    return env_auto_float(CONNECTOR_TIMEOUT_SECONDS, lambda seconds: math.isfinite(seconds) and seconds >= 0,
-                          "a finite number >= 0")  # fmt: skip
-
-
-def whatif_sample_rate() -> float | None:
-    """None for ``auto``."""
-    return env_auto_float(WHATIF_SAMPLE_RATE, lambda rate: 0.0 < rate <= 1.0, "a number in (0, 1]")
-
-
-def exporter_process() -> str:
-    return env_choice(EXPORTER_PROCESS, EXPORTER_PROCESS_CHOICES)
-
-
-def device_metrics() -> str:
-    return env_choice(DEVICE_METRICS, DEVICE_METRICS_CHOICES)
-
-
-def vllm_plugin() -> str:
-    return env_choice(VLLM_PLUGIN, VLLM_PLUGIN_CHOICES)
-
-
-def fastapi_exclude_spans() -> list[str]:
-    raw = os.environ.get(FASTAPI_EXCLUDE_SPANS, "")
-    named = [part.strip().lower() for part in raw.split(",") if part.strip()]
-    excluded = [part for part in named if part in FASTAPI_EXCLUDE_SPANS_CHOICES]
-    if len(excluded) < len(named):
-        used = ",".join(excluded) or "none"
-        _warn_once(FASTAPI_EXCLUDE_SPANS, raw, f"names spans other than send, receive; using {used}")
-    return excluded
-
-
-def client_value_length_limit() -> int:
-    limit = env_int(CLIENT_VALUE_LENGTH_LIMIT, 256, minimum=16)
-    # The SDK's bound on every attribute: where lower, it wins (the SDK warns about a bad value).
-    sdk_limit = os.environ.get(sdk_variables.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT, "").strip()
-    if sdk_limit.isdigit():
-        limit = min(limit, max(int(sdk_limit), 1))
-    return limit
-
-
-def export_max_bytes() -> int:
-    return env_int(EXPORT_MAX_BYTES, 3 << 20, minimum=1 << 16)
-
-
-def export_hold_bytes() -> int:
-    return env_int(EXPORT_HOLD_BYTES, 64 << 20, minimum=0)
-
-
-def export_hold_seconds() -> float:
-    return env_float(EXPORT_HOLD_SECONDS, 300.0)
-
-
-_BAGGAGE_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-"""A W3C baggage key: an HTTP token."""
-
-
-def baggage_keys() -> list[str]:
-    raw = os.environ.get(BAGGAGE_KEYS, "")
-    named = list(dict.fromkeys(key.strip() for key in raw.split(",") if key.strip()))
-    keys = [key for key in named if _BAGGAGE_KEY.fullmatch(key)]
-    if len(keys) < len(named):
-        _warn_once(BAGGAGE_KEYS, raw, f"names keys that are not W3C baggage keys; using {','.join(keys) or 'none'}")
-    return keys
-
-
-def attribution() -> list[str]:
-    """The attribution attributes, in the order named. A session id is never one: a
-    metric series per session would be a series per conversation."""
-    default = [names.MODEL]
-    raw = os.environ.get(ATTRIBUTION, "")
-    named = list(dict.fromkeys(name.strip() for name in raw.split(",") if name.strip()))
-    if not named:
-        return default
-    allowed = [*names.ATTRIBUTION_CHOICES, *baggage_keys()]
-    chosen = [name for name in named if name in allowed]
-    if len(chosen) < len(named):
-        used = ",".join(chosen or default)
-        _warn_once(ATTRIBUTION, raw, f"names attributes other than {', '.join(allowed)}; using {used}")
-    return chosen or default
-
-
-def attribution_limit() -> int:
-    return env_int(ATTRIBUTION_LIMIT, 32)
-
-
-def session_table_size() -> int:
-    return env_int(SESSION_TABLE_SIZE, 65536)
-
-
-def top_snapshot() -> str:
-    return env_choice(TOP_SNAPSHOT, TOP_SNAPSHOT_CHOICES)
-
-
-def top_dir() -> str | None:
-    """The configured snapshot directory, or None for ``auto`` (``engine.snapshot_files``)."""
-    raw = os.environ.get(TOP_DIR, "").strip()
-    if raw.lower() in ("", "auto"):
-        return None
-    if not os.path.isabs(raw):
-        _warn_once(TOP_DIR, raw, "is not auto or an absolute path; using auto")
-        return None
-    return raw
-
-
-def top_requests() -> int:
-    return env_int(TOP_REQUESTS, 20)
+"""JSON list of ``VARIABLE=value`` already warned about in this vLLM instance: not a setting."""
 
 
 def check_all() -> None:
     """Reads every setting, warning (once per vLLM instance) about each bad one."""
-    for read in (
-        reconcile_seconds,
-        zombie_grace_seconds,
-        stuck_steps,
-        connector_timeout_seconds,
-        whatif_sample_rate,
-        exporter_process,
-        device_metrics,
-        vllm_plugin,
-        fastapi_exclude_spans,
-        client_value_length_limit,
-        export_max_bytes,
-        export_hold_bytes,
-        export_hold_seconds,
-        baggage_keys,
-        attribution,
-        attribution_limit,
-        session_table_size,
-        top_snapshot,
-        top_dir,
-        top_requests,
-    ):
-        read()
+    for setting in SETTINGS:
+        setting()
 
 
-def env_auto_float(variable: str, valid: Callable[[float], bool], expected: str) -> float | None:
-    """A number ``valid`` accepts, or None for ``auto`` (the default)."""
-    raw = os.environ.get(variable, "").strip()
-    if raw.lower() in ("", "auto"):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or not valid(value):
-        _warn_once(variable, raw, f"is not auto or {expected}; using auto")
-        return None
-    return value
-
-
-def env_choice(variable: str, choices: tuple[str, ...]) -> str:
-    """One of ``choices`` (the first is the default)."""
-    raw = os.environ.get(variable)
-    if raw is None or raw.strip() == "":
-        return choices[0]
-    value = raw.strip().lower()
-    if value not in choices:
-        _warn_once(variable, raw, f"is not one of {', '.join(choices)}; using {choices[0]!r}")
-        return choices[0]
-    return value
-
-
-def _number(variable: str, default: float, cast, minimum: float) -> float:
-    raw = os.environ.get(variable)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = cast(raw)
-    except ValueError:
-        value = None
-    # nan compares false with everything and inf never comes: either would turn a check off.
-    if value is None or not math.isfinite(value) or value < minimum:
-        _warn_once(variable, raw, f"is not a finite number >= {minimum}; using {default}")
-        return default
-    return value
-
-
-def env_int(variable: str, default: int, minimum: int = 1) -> int:
-    return int(_number(variable, default, int, minimum))
-
-
-def env_float(variable: str, default: float, minimum: float = 0.0) -> float:
-    return float(_number(variable, default, float, minimum))
+def markdown_table() -> str:
+    """The README's configuration table, one row per setting."""
+    rows = ["| variable | default | what it sets | a bad value |", "| --- | --- | --- | --- |"]
+    for setting in SETTINGS:
+        cells = (f"`{setting.variable}`", setting.kind.default_cell(), setting.description,
+                 setting.kind.bad_value_cell())  # fmt: skip
+        rows.append(f"| {' | '.join(cells)} |")
+    return "\n".join(rows)
 
 
 def _warn_once(variable: str, raw: str, what: str) -> None:
@@ -306,3 +446,8 @@ def _warn_once(variable: str, raw: str, what: str) -> None:
         return
     _logger.warning("otel-kvcache: %s=%r %s", variable, raw, what)
     os.environ[WARNED_SETTINGS] = json.dumps([*warned, setting])
+
+
+if __name__ == "__main__":
+    # python -m otel_kvcache.config: the table to paste into the README's "Configuration".
+    print(markdown_table())

@@ -4,7 +4,8 @@ It prints the installed vLLM and whether it is verified, every hook point and
 internal (found, read from a fallback, changed or missing, and the telemetry
 that depends on each: ``vllm_compat.survey``, as the engine's start-up line),
 and how ``opentelemetry-instrument`` (or vLLM's plugin entry point) would
-configure the SDK here. It exits 1 when the request span cannot be made.
+configure the SDK here, and every setting's value in use (``config.SETTINGS``), naming
+a bad one. It exits 1 when the request span cannot be made.
 """
 
 from __future__ import annotations
@@ -83,8 +84,30 @@ def report() -> tuple[list[str], bool]:
     lines += _finding_lines(survey.connector_hook_points())
     lines += ["", "internals:", *_finding_lines(f for f in engine if f.kind == "internal")]
     lines += ["", "OpenTelemetry SDK, as opentelemetry-instrument (or the vLLM plugin) would configure it:", *_sdk_lines()]
+    lines += ["", "settings (from the environment; README.md, Configuration):", *_setting_lines()]
     lines += ["", "ready: the request span can be made" if healthy else f"NOT READY: {survey.NO_SPANS}"]
     return lines, healthy
+
+
+def _setting_lines() -> list[str]:
+    """Each setting's value in use: the default where it is unset, and where its value is bad,
+    what is wrong with it (the warning vLLM's first process would log)."""
+    lines = []
+    for setting in config.SETTINGS:
+        reading = setting.reading()
+        value = reading.value
+        if value is None:
+            shown = "auto"
+        elif isinstance(value, list):
+            shown = ",".join(value) or "none"
+        else:
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+        if reading.complaint is not None:
+            shown += f"  WARNING: {reading.raw!r} {reading.complaint}"
+        elif reading.raw is None or not reading.raw.strip():
+            shown += " (not set)"
+        lines.append(f"  {setting.variable:40} {shown}")
+    return lines
 
 
 def _finding_lines(findings) -> list[str]:

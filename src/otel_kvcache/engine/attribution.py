@@ -37,15 +37,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from otel_kvcache import config, names
+from otel_kvcache.engine.shares import fair_share
 from otel_kvcache.engine.tally import PACKED, Tally, occupancy_until, released_occupancy
-from otel_kvcache.vllm_compat import (
-    blocks_by_request,
-    fair_share,
-    model_name_reader,
-    priority_reader,
-    served_model_name,
-    trace_headers_reader,
-)
+from otel_kvcache.vllm_compat.blocks import blocks_by_request
+from otel_kvcache.vllm_compat.readers import model_name_reader, priority_reader, served_model_name, trace_headers_reader
 from otel_kvcache.wiring.propagation import baggage_entries
 
 OVERFLOW = object()

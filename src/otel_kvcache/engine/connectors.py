@@ -3,7 +3,7 @@ finished requests leave held for a transfer.
 
 Built only for an engine whose scheduler has a KV connector (offloading, LMCache,
 prefill/decode disaggregation); its hooks are patched on that scheduler and its
-connector object (``vllm_compat.CONNECTOR_HOOK_POINTS``), so an engine without one
+connector object (``vllm_compat.hook_points.CONNECTOR_HOOK_POINTS``), so an engine without one
 pays nothing. Everything runs on the engine thread, per request touched:
 
 - an admission from the waiting queue tells the connector vLLM's external computed

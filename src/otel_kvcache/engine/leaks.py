@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from otel_kvcache import config, names
 from otel_kvcache.engine.tally import PROGRESS_STEP, PROGRESS_TOKENS, Tally
 from otel_kvcache.export.spans import Finding, event_attributes, log_in_trace
-from otel_kvcache.vllm_compat import blocks_held_by_request, deferred_frees, real_blocks, running_status
+from otel_kvcache.vllm_compat.blocks import blocks_held_by_request, deferred_frees, real_blocks
+from otel_kvcache.vllm_compat.readers import running_status
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry

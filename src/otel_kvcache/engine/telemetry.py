@@ -74,26 +74,7 @@ from otel_kvcache.engine.tally import (
 from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.spans import RequestExporter
-from otel_kvcache.vllm_compat import (
-    allocation_failed,
-    allocation_watch,
-    arrival_time_reader,
-    engine_index,
-    finish_reasons_by_status,
-    grown_requests_reader,
-    held_blocks_counter,
-    kv_bytes_per_block,
-    lookup_keys_reader,
-    may_hold_null_blocks,
-    new_requests_reader,
-    prefix_cache_lookup_test,
-    request_being_scheduled,
-    resumed_request_ids_reader,
-    scheduler_block_size,
-    session_id_reader,
-    statuses_waiting_for_blocks,
-    trace_headers_reader,
-)
+from otel_kvcache.vllm_compat.blocks import held_blocks_counter, may_hold_null_blocks
 from otel_kvcache.vllm_compat.layouts import (
     attention_reach_reader,
     cached_entries_reader,
@@ -101,6 +82,22 @@ from otel_kvcache.vllm_compat.layouts import (
     hit_blocks_counter,
     prefix_layout,
 )
+from otel_kvcache.vllm_compat.readers import (
+    arrival_time_reader,
+    engine_index,
+    finish_reasons_by_status,
+    grown_requests_reader,
+    kv_bytes_per_block,
+    lookup_keys_reader,
+    new_requests_reader,
+    prefix_cache_lookup_test,
+    resumed_request_ids_reader,
+    scheduler_block_size,
+    session_id_reader,
+    statuses_waiting_for_blocks,
+    trace_headers_reader,
+)
+from otel_kvcache.vllm_compat.schedule_frame import allocation_failed, allocation_watch, request_being_scheduled
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry

@@ -1,4 +1,4 @@
-"""Wrapper factories, one per role in ``vllm_compat.HOOK_POINTS``.
+"""Wrapper factories, one per role in ``vllm_compat.hook_points``.
 
 Every wrapper calls vLLM's original exactly once, lets vLLM's exceptions
 through unchanged, and runs our code in guarded blocks whose failures are
@@ -37,8 +37,10 @@ from otel_kvcache.engine.pool import PoolTracker
 from otel_kvcache.engine.telemetry import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, engine_index, free_queue
+from otel_kvcache.vllm_compat.blocks import free_queue
+from otel_kvcache.vllm_compat.hook_points import CONNECTOR_HOOK_POINTS
 from otel_kvcache.vllm_compat.kv_transfer import kv_connector
+from otel_kvcache.vllm_compat.readers import engine_index
 from otel_kvcache.vllm_compat.survey import start_up
 from otel_kvcache.wiring.hooks import Wrapper, as_vllm_calls_it
 from otel_kvcache.wiring.propagation import (
@@ -293,7 +295,7 @@ def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors
         original = getattr(type(target), point.method, None)
         if original is None:  # a connector without several KV-cache groups has no request_finished_all_groups
             if point.owner != "SupportsHMA":
-                _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
+                _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, point.feeds)
             continue
         try:
             method = builders[point.role](point.qualname)(as_vllm_calls_it(original))

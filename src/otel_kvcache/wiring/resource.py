@@ -28,7 +28,7 @@ from opentelemetry.sdk.resources import PROCESS_PID, SERVICE_INSTANCE_ID, SERVIC
 
 from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.vllm_compat import PROCESS_ROLES
+from otel_kvcache.vllm_compat.processes import PROCESS_ROLES
 
 _logger = logging.getLogger(__name__)
 

@@ -59,9 +59,9 @@ def _busy_run(model_config) -> tuple[EngineHarness, list]:
 
 
 def _pieces() -> list:
-    hook_points = [pytest.param("hook point", p.qualname, id=p.qualname) for p in hook_points.hook_points_of()]
+    hook = [pytest.param("hook point", p.qualname, id=p.qualname) for p in hook_points.hook_points_of()]
     internal = [pytest.param("internal", i.key, id=i.qualname) for i in internals.INTERNALS]
-    return hook_points + internal
+    return hook + internal
 
 
 @pytest.fixture

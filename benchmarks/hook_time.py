@@ -74,7 +74,7 @@ def measure(workload_name: str, steps: int) -> dict:
 
     from benchmarks.instrumented import instrument
     from benchmarks.scheduler_driver import Driver, workloads
-    from otel_kvcache.vllm_compat import HOOK_POINTS
+    from otel_kvcache.vllm_compat.hook_points import HOOK_POINTS
 
     timers = _Timers()
     hot = [(getattr(importlib.import_module(p.module), p.owner), p.method, p.qualname) for p in HOOK_POINTS if p.hot]

@@ -12,7 +12,7 @@ from opentelemetry.instrumentation.utils import unwrap
 from conftest import Telemetry
 from engine_harness import busy_run_decisions
 from otel_kvcache import VLLMKVCacheInstrumentor, names
-from otel_kvcache.vllm_compat import hook_points_of
+from otel_kvcache.vllm_compat.hook_points import hook_points_of
 
 HOT_POINTS = [p for p in hook_points_of() if p.hot]
 

@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 
 from otel_kvcache import config
-from otel_kvcache.vllm_compat import hook_points_of
+from otel_kvcache.vllm_compat.hook_points import hook_points_of
 
 pytestmark = pytest.mark.slow  # each runs doctor, importing vLLM, in a process of its own
 

@@ -13,7 +13,7 @@ import pytest
 import wrapt
 
 from otel_kvcache import VLLMKVCacheInstrumentor
-from otel_kvcache.vllm_compat import HookPoint, hook_points_of
+from otel_kvcache.vllm_compat.hook_points import HookPoint, hook_points_of
 from otel_kvcache.wiring.hooks import LazyPatcher
 
 HOOK_POINTS = hook_points_of()  # those of the installed vLLM
@@ -70,8 +70,8 @@ def test_hot_wrappers_take_exactly_vllms_parameters(telemetry):
 
 def test_a_missing_hook_point_is_reported_once_and_the_rest_still_works(caplog):
     module = "vllm.v1.core.sched.scheduler"
-    missing = HookPoint(module, "Scheduler", "_method_vllm_never_had", "counted", hot=False)
-    present = HookPoint(module, "Scheduler", "get_request_counts", "counted", hot=False)
+    missing = HookPoint(module, "Scheduler", "_method_vllm_never_had", "counted", "a count", hot=False)
+    present = HookPoint(module, "Scheduler", "get_request_counts", "counted", "a count", hot=False)
     calls = []
 
     def factory(hook):

@@ -23,9 +23,9 @@ from conftest import Telemetry
 from engine_harness import EngineHarness
 from harness.scheduler import make_scheduler
 
-from otel_kvcache import VLLMKVCacheInstrumentor, names, vllm_compat
+from otel_kvcache import VLLMKVCacheInstrumentor, names
 from otel_kvcache.commands import doctor
-from otel_kvcache.vllm_compat import internals
+from otel_kvcache.vllm_compat import hook_points, internals
 from otel_kvcache.vllm_compat.versions import installed_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,9 +59,9 @@ def _busy_run(model_config) -> tuple[EngineHarness, list]:
 
 
 def _pieces() -> list:
-    hook_points = [pytest.param("hook point", p.qualname, id=p.qualname) for p in vllm_compat.hook_points_of()]
+    hook = [pytest.param("hook point", p.qualname, id=p.qualname) for p in hook_points.hook_points_of()]
     internal = [pytest.param("internal", i.key, id=i.qualname) for i in internals.INTERNALS]
-    return hook_points + internal
+    return hook + internal
 
 
 @pytest.fixture
@@ -70,11 +70,11 @@ def take_away(monkeypatch):
 
     def take(kind: str, key: str) -> tuple[str, bool]:
         if kind == "hook point":
-            table = list(vllm_compat.HOOK_POINTS)
+            table = list(hook_points.HOOK_POINTS)
             [index] = [i for i, point in enumerate(table) if point.qualname == key][:1]
             gone = table[index] = table[index]._replace(method=table[index].method + "_renamed")
-            monkeypatch.setattr(vllm_compat, "HOOK_POINTS", tuple(table))
-            return gone.qualname, gone.role in vllm_compat.CORE_ROLES
+            monkeypatch.setattr(hook_points, "HOOK_POINTS", tuple(table))
+            return gone.qualname, gone.core
         table = list(internals.INTERNALS)
         [index] = [i for i, internal in enumerate(table) if internal.key == key]
         gone = table[index] = table[index]._replace(name=table[index].name + "_renamed")
@@ -110,7 +110,7 @@ def test_without_one_piece_vllm_serves_doctor_names_it_and_the_rest_is_exact(
 ):
     qualname, core = take_away(kind, key)
     if kind == "hook point":  # what the checks below expect goes by what it records: its role
-        [point] = [p for p in vllm_compat.HOOK_POINTS if p.qualname == qualname]
+        [point] = [p for p in hook_points.HOOK_POINTS if p.qualname == qualname]
         key = point.role
     after, ready = _doctor()
     changed = [line for line in after if line not in doctor_before]

@@ -15,7 +15,7 @@ or instrument by hand, before vLLM builds its engine::
     VLLMKVCacheInstrumentor().instrument(tracer_provider=..., meter_provider=...)
 
 In each EngineCore process the instrumentor patches vLLM's V1 scheduler, KV
-cache manager and block pool (see ``vllm_compat.HOOK_POINTS``) and emits:
+cache manager and block pool (see ``vllm_compat.hook_points``) and emits:
 
 - one ``vllm.kv_cache.request`` span per request, in the request's own trace
   (its W3C ``trace_headers``), with the blocks it held, reused from the prefix

@@ -37,16 +37,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from otel_kvcache import config, names
+from otel_kvcache.engine.shares import fair_share
 from otel_kvcache.handover.tally import PACKED, Tally, occupancy_until, released_occupancy
-from otel_kvcache.vllm_compat import (
-    blocks_by_request,
-    fair_share,
-    model_name_reader,
-    priority_reader,
-    served_model_name,
-    trace_headers_reader,
-)
 from otel_kvcache.trace_context import baggage_entries
+from otel_kvcache.vllm_compat.blocks import blocks_by_request
+from otel_kvcache.vllm_compat.readers import model_name_reader, priority_reader, served_model_name, trace_headers_reader
 
 OVERFLOW = object()
 """The overflow series' key: no key of values can equal it."""

@@ -3,7 +3,7 @@ finished requests leave held for a transfer.
 
 Built only for an engine whose scheduler has a KV connector (offloading, LMCache,
 prefill/decode disaggregation); its hooks are patched on that scheduler and its
-connector object (``vllm_compat.CONNECTOR_HOOK_POINTS``), so an engine without one
+connector object (``vllm_compat.hook_points.CONNECTOR_HOOK_POINTS``), so an engine without one
 pays nothing. Everything runs on the engine thread, per request touched:
 
 - an admission from the waiting queue tells the connector vLLM's external computed
@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from otel_kvcache import config, names
+from otel_kvcache.trace_context import remote_span_context, traceparent_for
 from otel_kvcache.vllm_compat.kv_transfer import (
     block_ids_of,
     connector_kv_role,
@@ -40,7 +41,6 @@ from otel_kvcache.vllm_compat.kv_transfer import (
     statuses_handing_kv_on,
     waiting_for_remote_kvs_status,
 )
-from otel_kvcache.trace_context import remote_span_context, traceparent_for
 
 
 class Engine(Protocol):

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_kvcache import config, names
-from otel_kvcache.handover.tally import PROGRESS_STEP, PROGRESS_TOKENS, Tally
 from otel_kvcache.handover.record import Finding, RecordSink, event_attributes
+from otel_kvcache.handover.tally import PROGRESS_STEP, PROGRESS_TOKENS, Tally
 from otel_kvcache.trace_context import log_in_trace
-from otel_kvcache.vllm_compat import blocks_held_by_request, deferred_frees, real_blocks, running_status
+from otel_kvcache.vllm_compat.blocks import blocks_held_by_request, deferred_frees, real_blocks
+from otel_kvcache.vllm_compat.readers import running_status
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry

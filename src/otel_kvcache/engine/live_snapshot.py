@@ -53,14 +53,10 @@ from otel_kvcache.engine.snapshot_files import (
     write_snapshot,
 )
 from otel_kvcache.handover.tally import PREEMPTIONS
-from otel_kvcache.vllm_compat import (
-    arrival_time_reader,
-    blocks_held_by_request,
-    live_states_by_status,
-    session_id_reader,
-)
-from otel_kvcache.vllm_compat.versions import installed_vllm_version
 from otel_kvcache.trace_context import baggage_entries
+from otel_kvcache.vllm_compat.blocks import blocks_held_by_request
+from otel_kvcache.vllm_compat.readers import arrival_time_reader, live_states_by_status, session_id_reader
+from otel_kvcache.vllm_compat.versions import installed_vllm_version
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.telemetry import EngineTelemetry

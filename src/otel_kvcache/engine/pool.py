@@ -63,7 +63,7 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
-from otel_kvcache.vllm_compat import block_hash_reader, block_references, free_queue, pool_size, usable_blocks
+from otel_kvcache.vllm_compat.blocks import block_hash_reader, block_references, free_queue, pool_size, usable_blocks
 
 # Runs emptied by prefix hits are dropped when they outnumber this and the rest.
 COMPACT_ABOVE = 64

@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.attribution import Attribution
 from otel_kvcache.bounds import cut, trace_headers_within
+from otel_kvcache.engine.attribution import Attribution
 from otel_kvcache.engine.leaks import Reconciler
 from otel_kvcache.engine.pool import PoolSnapshot, PoolTracker, snapshot_of
+from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
+from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.handover.record import RecordSink
 from otel_kvcache.handover.tally import (
     ADMITTED_BLOCKS,
@@ -47,23 +49,23 @@ from otel_kvcache.handover.tally import (
     INPUT_TOKENS,
     LAST_STALL_STEP,
     OUTPUT_TOKENS,
+    PACKED,
     PEAK,
     PERIOD_HIT_BLOCKS,
     PERIOD_HIT_TOKENS,
-    STRETCH_START_BLOCKS,
-    STRETCH_START_NS,
-    STRETCH_START_TOKENS,
-    PACKED,
     PREEMPTIONS,
     RECOMPUTED_TOKENS,
     RELEASED_NS,
+    RELEASED_POOL_FREE,
     RELEASED_TOKENS,
     REQUEST_ID_LENGTH,
     SESSION_ID_LENGTH,
-    RELEASED_POOL_FREE,
-    START_NS,
     STALLS,
+    START_NS,
     STILL_HELD,
+    STRETCH_START_BLOCKS,
+    STRETCH_START_NS,
+    STRETCH_START_TOKENS,
     TURN_GAP_NS,
     Tally,
     blank_tally,
@@ -72,28 +74,7 @@ from otel_kvcache.handover.tally import (
     hold,
     packed_clamped,
 )
-from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
-from otel_kvcache.errors import InstrumentationErrors
-from otel_kvcache.vllm_compat import (
-    allocation_failed,
-    allocation_watch,
-    arrival_time_reader,
-    engine_index,
-    finish_reasons_by_status,
-    grown_requests_reader,
-    held_blocks_counter,
-    kv_bytes_per_block,
-    lookup_keys_reader,
-    may_hold_null_blocks,
-    new_requests_reader,
-    prefix_cache_lookup_test,
-    request_being_scheduled,
-    resumed_request_ids_reader,
-    scheduler_block_size,
-    session_id_reader,
-    statuses_waiting_for_blocks,
-    trace_headers_reader,
-)
+from otel_kvcache.vllm_compat.blocks import held_blocks_counter, may_hold_null_blocks
 from otel_kvcache.vllm_compat.layouts import (
     attention_reach_reader,
     cached_entries_reader,
@@ -101,6 +82,22 @@ from otel_kvcache.vllm_compat.layouts import (
     hit_blocks_counter,
     prefix_layout,
 )
+from otel_kvcache.vllm_compat.readers import (
+    arrival_time_reader,
+    engine_index,
+    finish_reasons_by_status,
+    grown_requests_reader,
+    kv_bytes_per_block,
+    lookup_keys_reader,
+    new_requests_reader,
+    prefix_cache_lookup_test,
+    resumed_request_ids_reader,
+    scheduler_block_size,
+    session_id_reader,
+    statuses_waiting_for_blocks,
+    trace_headers_reader,
+)
+from otel_kvcache.vllm_compat.schedule_frame import allocation_failed, allocation_watch, request_being_scheduled
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry

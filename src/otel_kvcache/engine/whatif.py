@@ -340,7 +340,7 @@ class PrefixReuse:
     def on_lookup(self, keys: list, hit_blocks: int, unit: int, queried_tokens: int,
                   used_blocks: int, now: float, present: int = 0) -> None:  # fmt: skip
         """A counted prefix lookup of a request whose units that could hit have these
-        hashes (``vllm_compat.lookup_keys_reader``, a list of its own); the first ``hit_blocks``
+        hashes (``vllm_compat.readers.lookup_keys_reader``, a list of its own); the first ``hit_blocks``
         did, and the ``present`` after them are in the full-attention group's cache
         (``layouts.attention_reach_reader``). The looked-up blocks are in use from now on."""
         events = self._curve_events

@@ -24,13 +24,12 @@ from typing import Any
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.metrics import CallbackOptions, Observation, get_meter
 
-from otel_kvcache import names
-from otel_kvcache import config
+from otel_kvcache import config, names
 from otel_kvcache.gpu.allocator import AllocatorReading, TorchAllocatorSource
 from otel_kvcache.gpu.nvml import DeviceReading, NVMLSource
 from otel_kvcache.package import _instruments
-from otel_kvcache.version import __version__
 from otel_kvcache.process_identity import handed_down_attributes, is_vllms_first_process
+from otel_kvcache.version import __version__
 
 _logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """vLLM's KV connectors (``vllm.distributed.kv_transfer``), as ``connectors.py`` reads them.
 
-What each release does with a connector, and what that means here, is in the package's
-docstring; these are the reads themselves.
+What each release does with a connector, and what that means here, is in
+``docs/vllm-versions.md``; these are the reads themselves.
 """
 
 from __future__ import annotations

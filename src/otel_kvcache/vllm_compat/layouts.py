@@ -32,7 +32,8 @@ from math import ceil
 from operator import attrgetter
 from typing import Any, NamedTuple
 
-from otel_kvcache.vllm_compat import block_hash_reader, internals, real_blocks
+from otel_kvcache.vllm_compat import internals
+from otel_kvcache.vllm_compat.blocks import block_hash_reader, real_blocks
 
 FULL_ATTENTION_MANAGER = "FullAttentionManager"
 

@@ -15,8 +15,7 @@ import inspect
 import sys
 from typing import NamedTuple
 
-from otel_kvcache import vllm_compat
-from otel_kvcache.vllm_compat import internals
+from otel_kvcache.vllm_compat import hook_points, internals
 from otel_kvcache.vllm_compat.versions import describe_installed, installed_vllm_version, is_verified
 
 NO_SPANS = "no request spans and no KV metrics"
@@ -44,7 +43,7 @@ class Finding(NamedTuple):
         return NO_SPANS if self.core and self.status == "missing" else self.feeds
 
 
-def hook_point_status(point: vllm_compat.HookPoint) -> tuple[str, str]:
+def hook_point_status(point: hook_points.HookPoint) -> tuple[str, str]:
     """``found``, ``changed`` (with how) or ``missing``, for the installed vLLM."""
     try:
         owner = getattr(importlib.import_module(point.module), point.owner)
@@ -53,7 +52,7 @@ def hook_point_status(point: vllm_compat.HookPoint) -> tuple[str, str]:
     method = owner.__dict__.get(point.method)
     if method is None:
         return "missing", "inherited, not hooked" if callable(getattr(owner, point.method, None)) else "not there"
-    wanted = vllm_compat.PARAMETERS.get(point.role)
+    wanted = point.parameters
     if wanted:
         parameters = list(inspect.signature(method).parameters)[1:]  # after the instance
         if tuple(parameters[: len(wanted)]) != wanted:
@@ -61,30 +60,29 @@ def hook_point_status(point: vllm_compat.HookPoint) -> tuple[str, str]:
     return "found", ""
 
 
-def hook_points(imported_only: bool = False) -> list[Finding]:
+def hook_point_findings(imported_only: bool = False) -> list[Finding]:
     """Every hook point's finding; with ``imported_only``, those of modules this process
     has imported (an engine does not import the API server's modules, nor should we)."""
     installed = installed_vllm_version()
     findings = []
-    for point in vllm_compat.HOOK_POINTS:  # read now: a test may take one away
+    for point in hook_points.HOOK_POINTS:  # read now: a test may take one away
         if imported_only and point.module not in sys.modules:
             continue
-        core = point.role in vllm_compat.CORE_ROLES
         if not point.applies_to(installed):
             when = f"only before vLLM {point.until}" if point.until else f"only from vLLM {point.since}"
-            findings.append(Finding("hook point", point.qualname, "n/a", when, vllm_compat.FEEDS[point.role], core))
+            findings.append(Finding("hook point", point.qualname, "n/a", when, point.feeds, point.core))
             continue
         status, detail = hook_point_status(point)
-        if core and status == "missing":
-            detail = f"{detail}; needed: {vllm_compat.CORE_ROLES[point.role]}"
-        findings.append(Finding("hook point", point.qualname, status, detail, vllm_compat.FEEDS[point.role], core))
+        if point.core and status == "missing":
+            detail = f"{detail}; needed: {point.why_core}"
+        findings.append(Finding("hook point", point.qualname, status, detail, point.feeds, point.core))
     return findings
 
 
 def connector_hook_points() -> list[Finding]:
     return [
-        Finding("hook point", point.qualname, *hook_point_status(point), vllm_compat.FEEDS[point.role], False)
-        for point in vllm_compat.CONNECTOR_HOOK_POINTS
+        Finding("hook point", point.qualname, *hook_point_status(point), point.feeds, point.core)
+        for point in hook_points.CONNECTOR_HOOK_POINTS
     ]
 
 
@@ -104,7 +102,7 @@ def internal_findings() -> list[Finding]:
 
 def survey(imported_only: bool = False) -> list[Finding]:
     """Every hook point and internal, as the installed vLLM has it."""
-    return hook_points(imported_only) + internal_findings()
+    return hook_point_findings(imported_only) + internal_findings()
 
 
 def spans_possible(findings: list[Finding]) -> bool:

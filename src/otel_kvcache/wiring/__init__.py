@@ -1,7 +1,7 @@
 """How otel-kvcache gets into vLLM, in each of vLLM's processes.
 
 - ``hooks`` puts wrappers on vLLM's methods, named by role in
-  ``otel_kvcache.vllm_compat.HOOK_POINTS``; ``patch`` builds them (small factories,
+  ``otel_kvcache.vllm_compat.hook_points``; ``patch`` builds them (small factories,
   one per role) and ``signatures`` gives a hot one the exact parameters of the
   method it replaces.
 - ``propagation`` carries the caller's trace context and baggage from the API

@@ -17,12 +17,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
 from types import FunctionType, ModuleType
+from typing import Any
 
 import wrapt
 
-from otel_kvcache.vllm_compat import FEEDS, HookPoint
+from otel_kvcache.vllm_compat.hook_points import HookPoint
 from otel_kvcache.vllm_compat.versions import installed_vllm_version
 
 _logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class LazyPatcher:
                     point.qualname,
                     point.module,
                     ", ".join(point.verified_on),
-                    FEEDS.get(point.role, "what hooks it"),
+                    point.feeds,
                 )
                 continue
             original = owner.__dict__.get(point.method)

@@ -19,18 +19,18 @@ from opentelemetry.metrics import get_meter
 from opentelemetry.trace import get_tracer
 
 from otel_kvcache import config
-from otel_kvcache import vllm_compat
 from otel_kvcache.engine.instruments import KVCacheInstruments
 from otel_kvcache.engine.live_snapshot import SnapshotPublisher
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.export.drain import wait_for_helpers_at_exit
-from otel_kvcache.export.spans import SpanBuilder, RequestHistograms
+from otel_kvcache.export.spans import RequestHistograms, SpanBuilder
 from otel_kvcache.names import METER_SCOPE
 from otel_kvcache.package import _instruments, _instruments_any
+from otel_kvcache.process_identity import is_vllms_first_process
 from otel_kvcache.version import __version__
+from otel_kvcache.vllm_compat import hook_points
 from otel_kvcache.wiring.hooks import LazyPatcher
 from otel_kvcache.wiring.patch import build_wrappers, unpatch_connector_hooks
-from otel_kvcache.process_identity import is_vllms_first_process
 
 _SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
 
@@ -74,7 +74,7 @@ class VLLMKVCacheInstrumentor(BaseInstrumentor):
 
         self._publisher = SnapshotPublisher(errors) if config.top_snapshot() == "on" else None
         self._patcher = LazyPatcher(
-            vllm_compat.HOOK_POINTS, build_wrappers(record_sink_for, instruments, errors, self._publisher)
+            hook_points.HOOK_POINTS, build_wrappers(record_sink_for, instruments, errors, self._publisher)
         )
         self._patcher.start()
         self._kv_instruments = instruments

@@ -1,4 +1,4 @@
-"""Wrapper factories, one per role in ``vllm_compat.HOOK_POINTS``.
+"""Wrapper factories, one per role in ``vllm_compat.hook_points``.
 
 Every wrapper calls vLLM's original exactly once, lets vLLM's exceptions
 through unchanged, and runs our code in guarded blocks whose failures are
@@ -36,9 +36,12 @@ from otel_kvcache.engine.live_snapshot import SnapshotPublisher
 from otel_kvcache.engine.pool import PoolTracker
 from otel_kvcache.engine.telemetry import EngineTelemetry
 from otel_kvcache.errors import InstrumentationErrors
+from otel_kvcache.handover.record import RecordSink
 from otel_kvcache.version import __version__
-from otel_kvcache.vllm_compat import CONNECTOR_HOOK_POINTS, FEEDS, engine_index, free_queue
+from otel_kvcache.vllm_compat.blocks import free_queue
+from otel_kvcache.vllm_compat.hook_points import CONNECTOR_HOOK_POINTS
 from otel_kvcache.vllm_compat.kv_transfer import kv_connector
+from otel_kvcache.vllm_compat.readers import engine_index
 from otel_kvcache.vllm_compat.survey import start_up
 from otel_kvcache.wiring.hooks import Wrapper, as_vllm_calls_it
 from otel_kvcache.wiring.propagation import (
@@ -62,8 +65,8 @@ pool such as hisparse's host pool) makes the read raise AttributeError, a few th
 instructions a call, and the wrapper passes vLLM's call straight through, outside the
 handler. A class-level default of None would spare those calls the exception."""
 
-ExporterFactory = Callable[[], Any]
-"""Returns the exporter a new engine hands its finished requests to (``export/spans.py``)."""
+RecordSinkFactory = Callable[[], RecordSink]
+"""Returns where a new engine hands its released requests (``handover.record.RecordSink``)."""
 MethodBuilder = Callable[[Callable[..., Any]], Callable[..., Any]]
 EngineMethod = Callable[..., Any]
 """An ``EngineTelemetry`` function, called with the engine first."""
@@ -293,7 +296,7 @@ def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors
         original = getattr(type(target), point.method, None)
         if original is None:  # a connector without several KV-cache groups has no request_finished_all_groups
             if point.owner != "SupportsHMA":
-                _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, FEEDS[point.role])
+                _vllm_log.warning("otel-kvcache: vLLM has no %s; not recorded: %s", point.qualname, point.feeds)
             continue
         try:
             method = builders[point.role](point.qualname)(as_vllm_calls_it(original))
@@ -322,7 +325,7 @@ def _feeds(scheduler: Any, engine: EngineTelemetry | None) -> None:
 
 def scheduler_init_wrapper(
     hook: str,
-    exporter_for: ExporterFactory,
+    record_sink_for: RecordSinkFactory,
     instruments: KVCacheInstruments,
     errors: InstrumentationErrors,
     publisher: SnapshotPublisher | None,
@@ -343,7 +346,7 @@ def scheduler_init_wrapper(
             (_vllm_log.warning if start.warn else _vllm_log.info)("otel-kvcache %s: %s", __version__, start.line)
             if not start.ready:  # what is missing is named in that line, with what it costs
                 return
-            engine = EngineTelemetry(instance, exporter_for(), errors)
+            engine = EngineTelemetry(instance, record_sink_for(), errors)
             if kv_connector(instance) is not None:
                 engine.connectors = ConnectorTelemetry(engine, instance)
                 patch_connector_hooks(instance, engine.connectors, errors)
@@ -360,7 +363,7 @@ def scheduler_init_wrapper(
 
 
 def build_wrappers(
-    exporter_for: ExporterFactory,
+    record_sink_for: RecordSinkFactory,
     instruments: KVCacheInstruments,
     errors: InstrumentationErrors,
     publisher: SnapshotPublisher | None = None,
@@ -369,7 +372,7 @@ def build_wrappers(
     (the engine's and the pool's functions are looked up then: replacing one later has no effect)."""
     Engine, Pool = EngineTelemetry, PoolTracker  # noqa: N806 - short names for the table
     return {
-        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, exporter_for, instruments, errors, publisher),
+        "scheduler_init": lambda hook: scheduler_init_wrapper(hook, record_sink_for, instruments, errors, publisher),
         "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
         "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
         "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),

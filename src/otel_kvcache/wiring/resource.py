@@ -27,7 +27,7 @@ from opentelemetry.sdk.resources import PROCESS_PID, SERVICE_NAME, Resource, Res
 from otel_kvcache import names
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.process_identity import PROCESS_ENVIRONMENT_VARIABLE, process_attributes
-from otel_kvcache.vllm_compat import PROCESS_ROLES
+from otel_kvcache.vllm_compat.processes import PROCESS_ROLES
 
 DEFAULT_SERVICE_NAME = "vllm"
 

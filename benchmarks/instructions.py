@@ -125,7 +125,7 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
         # Every timer of ours, off: how many of its rounds fell inside the window
         # would follow the wall clock, which valgrind stretches unevenly.
         for module, interval in (
-            (pool, "SETTLE_SECONDS"), (helper_pipe, "FLUSH_SECONDS"), (live_snapshot, "PUBLISH_SECONDS"),
+            (pool, "CATCH_UP_SECONDS"), (helper_pipe, "FLUSH_SECONDS"), (live_snapshot, "PUBLISH_SECONDS"),
         ):  # fmt: skip
             setattr(module, interval, NEVER_SECONDS)
         if ":" in variant:  # otel-without:PARTS (--without): before the hooks take the methods in
@@ -141,7 +141,7 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     driver.run(2 * workload.output_len)  # past the first wave: a steady mix of ages, as in benchmarks.overhead
     if instrumented:  # the warm-up's chores, as they would have run by now: the window's are its own
         engine = getattr(driver.scheduler, ENGINE_ATTRIBUTE)
-        engine.pool.settle()
+        engine.pool.catch_up()
         engine.exporter.flush()
         written_by = time.monotonic() + 120  # the pipe's thread writes the rest as the helper reads
         while engine.exporter.unwritten:
@@ -156,7 +156,7 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     def window() -> None:
         driver.run(steps)
         if instrumented:  # the chores of the window's steps, due once a second: done once, counted with them
-            engine.pool.settle()
+            engine.pool.catch_up()
             engine.exporter.queue_pending()  # the engine thread's share of the hand-over
 
     _counted("window", window)

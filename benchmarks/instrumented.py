@@ -15,7 +15,7 @@ import os
 EMPTIED_METHODS = {
     "mirror": {
         "PoolTracker": dict.fromkeys(
-            ("note_pops", "before_prepending", "on_appending", "on_touching", "before_unpinning", "settle")
+            ("note_pops", "before_prepending", "on_appending", "on_touching", "before_unpinning", "catch_up")
         ),
     },
     "records": {

@@ -38,7 +38,7 @@ def rounds_of(workload_name: str, rounds: int) -> dict:
     publisher = VLLMKVCacheInstrumentor()._publisher
     (engine, (path, _)), = publisher._engines.items()
     watching = path.parent / snapshot_files.WATCHING
-    result = {"held_blocks": engine.snapshot.used, "live_requests": len(engine.scheduler_requests)}
+    result = {"held_blocks": engine.pool_counts.used, "live_requests": len(engine.scheduler_requests)}
     for watched in (False, True):
         if watched:
             snapshot_files.read_snapshots()  # a reader: in full from now on

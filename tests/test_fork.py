@@ -96,7 +96,7 @@ def test_a_fork_during_a_collection_leaves_the_childs_collections_free(engine):
         if pid == 0:  # the child: what its collections read, each within 10 s or killed
             signal.alarm(10)
             evicted, cold, uncacheable = telemetry.reuse.missed_tokens()
-            telemetry.attribution.fold_ended()
+            telemetry.attribution.catch_up()
             os._exit(0 if cold + uncacheable > 0 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

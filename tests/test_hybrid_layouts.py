@@ -20,7 +20,7 @@ import prefix_stream
 from engine_harness import EngineHarness, PrefixCacheTruth
 from harness.scheduler import LAYOUTS, make_scheduler
 from otel_kvcache import names
-from otel_kvcache.engine import whatif
+from otel_kvcache.handover import miss_reasons
 
 POOL_BLOCKS = {None: 200, "sliding-window": 200, "mamba": 100, "mamba-finer-attention": 300, "prefix-match-unit": 100}
 """Pools that evict and preempt under the stream on each layout."""
@@ -41,8 +41,8 @@ def _replayed(model_config, layout: str | None, blocks: int) -> tuple[EngineHarn
 def test_every_prefix_number_is_vllms_own(model_config, telemetry, monkeypatch, layout):
     # A history of what vLLM freed that reaches back over the whole stream: the shipped one
     # holds 2 to 4 pools' worth, past which an evicted prefix counts as cold (its only error,
-    # ``whatif.py``), which the stream's returning chats reach on one group.
-    monkeypatch.setattr(whatif, "HISTORY_PER_BLOCK", 1 << 10)
+    # ``miss_reasons.py``), which the stream's returning chats reach on one group.
+    monkeypatch.setattr(miss_reasons, "HISTORY_PER_BLOCK", 1 << 10)
     engine, truth = _replayed(model_config, layout, POOL_BLOCKS[layout])
     requests = engine.requests
     queries, hits = engine.truth.prefix_queries, engine.truth.prefix_hits

@@ -51,7 +51,7 @@ def test_scheduler_decisions_identical_with_and_without_instrumentation(model_co
             "on_released",
         ):
             monkeypatch.setattr(EngineTelemetry, method, _fail)
-        for method in ("note_pops", "before_prepending", "on_appending", "on_touching", "on_reset", "settle"):
+        for method in ("note_pops", "before_prepending", "on_appending", "on_touching", "on_reset", "catch_up"):
             monkeypatch.setattr(PoolTracker, method, _fail)
         instrumentor = _instrumented(telemetry)
         with caplog.at_level(logging.WARNING, logger="otel_kvcache"):

@@ -144,10 +144,10 @@ def test_a_kv_connector_evicting_free_cached_blocks_is_counted_once(make_engine,
     assert telemetry.total(names.EVICTIONS) == engine.events.removed_hashes > len(cached[1::2])
 
 
-@pytest.mark.parametrize("settle_seconds", [0.0, pool_tracking.SETTLE_SECONDS])
+@pytest.mark.parametrize("catch_up_seconds", [0.0, pool_tracking.CATCH_UP_SECONDS])
 @pytest.mark.parametrize("eager_appends", [0, 1, pool_tracking.EAGER_APPENDS])
 def test_a_growing_chat_takes_its_cached_blocks_back_and_the_gauges_follow(
-    make_engine, telemetry, monkeypatch, eager_appends, settle_seconds
+    make_engine, telemetry, monkeypatch, eager_appends, catch_up_seconds
 ):
     """The article's multi-turn chat: each turn's prompt is the whole conversation so
     far, so its prefix hit takes back the blocks the previous turn freed (free and
@@ -155,15 +155,15 @@ def test_a_growing_chat_takes_its_cached_blocks_back_and_the_gauges_follow(
     indexed when appended or only when a hit needs them (``EAGER_APPENDS``), the
     gauges equal a scan of vLLM's pool at every step and the evictions vLLM's KV
     events: at every step when the pops are taken off the runs each step, at the
-    end when they wait (``SETTLE_SECONDS``, longer than the test) for the engine to go idle."""
+    end when they wait (``CATCH_UP_SECONDS``, longer than the test) for the engine to go idle."""
     monkeypatch.setattr(pool_tracking, "EAGER_APPENDS", eager_appends)
-    monkeypatch.setattr(pool_tracking, "SETTLE_SECONDS", settle_seconds)
+    monkeypatch.setattr(pool_tracking, "CATCH_UP_SECONDS", catch_up_seconds)
     engine = make_engine(num_blocks=40)
     chats = {f"chat-{c}": [(97 * c + 11 * k) % VOCAB_SIZE for k in range(40)] for c in range(3)}
 
     def check(harness):
         assert telemetry.blocks_by_state() == harness.pool_scan(), f"step {harness.steps}"
-        if not settle_seconds:
+        if not catch_up_seconds:
             assert telemetry.total(names.EVICTIONS) == harness.events.removed_hashes, f"step {harness.steps}"
 
     hit_tokens_after_first_turn = 0
@@ -239,7 +239,7 @@ def test_mixed_traffic_evicts_what_vllm_evicts_as_old_as_it_was(make_engine, tel
     each block vLLM evicted had been free and cached (a step's clock), and the
     gauges are a scan of its pool."""
     monkeypatch.setattr(pool_tracking, "EAGER_APPENDS", eager_appends)
-    monkeypatch.setattr(pool_tracking, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(pool_tracking, "CATCH_UP_SECONDS", 0.0)
     clock = StepClock()
     monkeypatch.setattr(pool_tracking, "time", clock)
     monkeypatch.setattr(engine_module, "time", clock)

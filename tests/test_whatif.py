@@ -87,7 +87,7 @@ def test_the_projected_curve_is_what_vllm_hits_with_pools_of_those_sizes(
     catch_up = whatif.PrefixReuse.catch_up
 
     def counting_catch_up(reuse, most=None, wait=True):
-        if most is not None:  # a slice the engine thread took in (keep_up)
+        if most is not None:  # a slice the engine thread took in (catch_up_if_behind)
             engine_slices.append(most)
         catch_up(reuse, most, wait)
 
@@ -289,7 +289,7 @@ def test_an_event_whose_hashes_never_came_costs_the_curve_a_restart_and_no_more(
     [events] = pending
     assert events.failed_at is not None
     errors = {p.attributes[names.HOOK]: p.value for p in telemetry.points(names.INSTRUMENTATION_ERRORS)}
-    assert errors.pop("Scheduler.schedule") >= 1  # the reading that found the loss (keep_up, at a step)
+    assert errors.pop("Scheduler.schedule") >= 1  # the reading that found the loss (catch_up_if_behind, at a step)
     assert sum(errors.values()) == 1  # the hook whose call failed, once
     assert not events  # all taken in at the collection
     # The lookups after the loss went into the curve as vLLM made them, to the last one.

@@ -7,7 +7,7 @@ One ``Attribution`` lives beside each engine's telemetry, used by three threads:
   and trace headers join a list (``request_ended``), and a request of a session gets its turn
   gap from the session table. Nothing per step.
 - the metric reader's thread, at each collection: the released requests' block-seconds
-  (``tally.released_occupancy``) join their series' count (``fold_ended``); the fair share of the blocks held
+  (``tally.released_occupancy``) join their series' count (``catch_up``); the fair share of the blocks held
   now, read from vLLM's block lists and reference counts (a block k requests share
   counts 1/k to each, so the series sum to the used blocks), and the live requests'
   block-seconds so far, so that a rate over a long request is right. That walks every
@@ -160,19 +160,19 @@ class Attribution:
     def request_ended(self, request: Any, tally: bytes, trace_headers: Any) -> tuple[str, int]:
         """A released request, with its tally's bytes and its trace headers (as vLLM keeps
         them: read once, by the caller): its block-seconds join its series at the next
-        collection (``fold_ended``). Returns its model and priority (read once: its span
+        collection (``catch_up``). Returns its model and priority (read once: its span
         carries them)."""
         model, priority = self.model_of(request), self.priority_of(request)
         self._ended.extend((tally, model, priority, trace_headers))  # one C call
         return model, priority
 
-    def keep_up(self) -> None:
+    def catch_up_if_behind(self) -> None:
         """Once a step, on the engine thread: where nothing has collected for long (more
         than ``MOST_ENDED`` released requests wait), folds them in, unless a collection is."""
         if len(self._ended) > MOST_ENDED * _ENDED_FIELDS:
-            self.fold_ended(wait=False)
+            self.catch_up(wait=False)
 
-    def fold_ended(self, wait: bool = True) -> None:
+    def catch_up(self, wait: bool = True) -> None:
         """Released requests' block-seconds join their series' counts (at a collection; on
         the engine thread only where too many wait, never waiting for a collection). A
         request that fails is dropped with those before it (the error reaches the caller)."""
@@ -248,7 +248,7 @@ class Attribution:
 
     def occupancy_seconds(self, tallies: Mapping[str, Tally], requests: Mapping[str, Any]) -> list[tuple[dict, float]]:
         """Block-seconds by series: finished requests', and live ones' up to now."""
-        self.fold_ended()
+        self.catch_up()
         by_series = {series: block_ns / 1e9 for series, block_ns in list(self.finished_block_ns.items())}
         now_ns = time.time_ns()
         live: dict[Key, float] = {}

@@ -186,29 +186,29 @@ class KVCacheInstruments:
 
     def _observe_kv_memory(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):
-            snapshot, per_block = engine.snapshot, engine.bytes_per_block
+            counts, per_block = engine.pool_counts, engine.bytes_per_block
             if per_block:
-                for state, blocks in zip(names.BLOCK_STATES, (snapshot.used, snapshot.cached, snapshot.free)):
+                for state, blocks in zip(names.BLOCK_STATES, (counts.used, counts.cached, counts.free)):
                     yield Observation(blocks * per_block, {**engine.attributes, names.BLOCK_STATE: state})
 
     def _observe_kv_memory_limit(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):
             if engine.bytes_per_block:
-                yield Observation(engine.snapshot.limit * engine.bytes_per_block, engine.attributes)
+                yield Observation(engine.pool_counts.limit * engine.bytes_per_block, engine.attributes)
 
-    def _snapshots(self):
+    def _pool_counts(self):
         for engine in list(self.engines):
-            yield engine.attributes, engine.snapshot
+            yield engine.attributes, engine.pool_counts
 
     def _observe_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
-        for attributes, snapshot in self._snapshots():
-            for state, value in zip(names.BLOCK_STATES, (snapshot.used, snapshot.cached, snapshot.free)):
+        for attributes, counts in self._pool_counts():
+            for state, value in zip(names.BLOCK_STATES, (counts.used, counts.cached, counts.free)):
                 yield Observation(value, {**attributes, names.BLOCK_STATE: state})
 
     def _observe_limit(self, options: CallbackOptions) -> Iterable[Observation]:
-        for attributes, snapshot in self._snapshots():
-            yield Observation(snapshot.limit, attributes)
+        for attributes, counts in self._pool_counts():
+            yield Observation(counts.limit, attributes)
 
     def _observe_utilization(self, options: CallbackOptions) -> Iterable[Observation]:
-        for attributes, snapshot in self._snapshots():
-            yield Observation(snapshot.utilization, attributes)
+        for attributes, counts in self._pool_counts():
+            yield Observation(counts.utilization, attributes)

@@ -191,7 +191,7 @@ class SnapshotPublisher:
                 pool.eviction_age_sum,
             ),
         )
-        state = engine.snapshot
+        state = engine.pool_counts
         report = engine.reconciler.report
         holders = engine.attribution.holders_now(engine.type_managers, engine.scheduler_requests) if detailed else []
         shown = holders[: self.top_requests]

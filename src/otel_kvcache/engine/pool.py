@@ -18,7 +18,7 @@ part's first blocks, which gives the evictions and their ages exactly, at
 O(runs) rather than O(blocks). The engine thread counts the pops, with the
 time, once ``schedule()`` returns each step and before ``prepend_n`` grows the
 front part (``note_pops``: a subtraction); it takes them off the runs, and
-counts the evictions and their ages, about once a second (``settle_if_due``),
+counts the evictions and their ages, about once a second (``catch_up_if_due``),
 in one loop that stays in the CPU's caches instead of one that leaves them
 each step.
 
@@ -70,7 +70,7 @@ COMPACT_ABOVE = 64
 # Appended runs are indexed at once for this many appends after a take-back.
 EAGER_APPENDS = 64
 # How often the pops counted each step are taken off the runs (and the evictions counted).
-SETTLE_SECONDS = 1.0
+CATCH_UP_SECONDS = 1.0
 _BLOCK_ID = attrgetter("block_id")
 
 
@@ -94,7 +94,7 @@ class Run:
         return self
 
 
-class PoolSnapshot(NamedTuple):
+class PoolCounts(NamedTuple):
     """The pool at one instant; ``used + cached + free == limit`` always."""
 
     used: int
@@ -107,10 +107,10 @@ class PoolSnapshot(NamedTuple):
         return self.used / self.limit if self.limit else 0.0
 
 
-def snapshot_of(free_total: int, cached: int, limit: int) -> PoolSnapshot:
-    """The snapshot of a pool with ``free_total`` free blocks, ``cached`` of them evictable."""
+def pool_counts(free_total: int, cached: int, limit: int) -> PoolCounts:
+    """The counts of a pool with ``free_total`` free blocks, ``cached`` of them evictable."""
     cached = min(max(cached, 0), free_total)
-    return PoolSnapshot(used=limit - free_total, cached=cached, free=free_total - cached, limit=limit)
+    return PoolCounts(used=limit - free_total, cached=cached, free=free_total - cached, limit=limit)
 
 
 class PoolTracker:
@@ -161,7 +161,7 @@ class PoolTracker:
         (a hybrid model's: ``EngineTelemetry._entries_freed``); None elsewhere."""
         self._pops, self._popped_at = array("q"), array("d")
         self._spare_runs: list[Run] = []
-        self.due = time.monotonic() + SETTLE_SECONDS
+        self.due = time.monotonic() + CATCH_UP_SECONDS
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -189,7 +189,7 @@ class PoolTracker:
         """Counts the blocks popped off the back part since the last look (once
         ``schedule()`` returns, and before ``prepend_n``: the front part must not
         grow over them); ``_take_pops_off_runs`` takes them off the runs (about once a
-        second, at a ``settle``, or at once while the back part may hold dead entries)."""
+        second, at a ``catch_up``, or at once while the back part may hold dead entries)."""
         # The back part is free blocks: whatever it holds beyond them was popped.
         if self._front:
             self._settle_front(now)
@@ -235,12 +235,12 @@ class PoolTracker:
                 del self._front[block_id]
             self._count_evictions(len(gone), sum(now - freed_at for _, freed_at in gone), oldest)
 
-    def settle_if_due(self, now: float) -> None:
+    def catch_up_if_due(self, now: float) -> None:
         if now >= self.due:
-            self.due = now + SETTLE_SECONDS
+            self.due = now + CATCH_UP_SECONDS
             self._take_pops_off_runs()
 
-    def settle(self) -> None:
+    def catch_up(self) -> None:
         """Brings the evictions up to date (when the engine goes idle, before a
         connector's eviction and after a prefix-cache reset)."""
         self.note_pops(time.monotonic())
@@ -396,7 +396,7 @@ class PoolTracker:
     def before_evicting(self, block_ids: Iterable[int]) -> None:
         """Before ``evict_blocks`` (a KV connector's): free cached blocks among them
         lose their prefix but keep their place in the queue."""
-        self.settle()
+        self.catch_up()
         self._index_new_runs()
         blocks, run_of, now = self.pool.blocks, self._run_of, time.monotonic()
         for block_id in block_ids:
@@ -416,7 +416,7 @@ class PoolTracker:
 
     def on_reset(self) -> None:
         """After a successful ``reset_prefix_cache``: no block holds a prefix."""
-        self.settle()  # the evictions before it
+        self.catch_up()  # the evictions before it
         self._hit.clear()
         self._rebuild()
 

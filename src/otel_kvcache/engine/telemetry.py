@@ -14,7 +14,7 @@ thread, so it is written for the scheduler's hot loop:
   evictions those pops made, reconciliation, the hand-over of released requests)
   run when one is due;
 - counters are plain integers, and the pool's counts are read as they are,
-  by observable instruments on the metric reader's thread (``snapshot``);
+  by observable instruments on the metric reader's thread (``pool_counts``);
 - a live request costs a tally, one flat list of counts (``handover.tally``),
   not an SDK span. At release its record goes to the ``record_sink``
   (``handover.record``), which builds the span, in a helper process when the SDK
@@ -36,7 +36,7 @@ from otel_kvcache import config, names
 from otel_kvcache.bounds import cut, trace_headers_within
 from otel_kvcache.engine.attribution import Attribution
 from otel_kvcache.engine.leaks import Reconciler
-from otel_kvcache.engine.pool import PoolSnapshot, PoolTracker, snapshot_of
+from otel_kvcache.engine.pool import PoolCounts, PoolTracker, pool_counts
 from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.handover.record import RecordSink
@@ -127,7 +127,7 @@ class EngineTelemetry:
         "_finish_reasons", "_waiting_for_blocks", "_lookup_enabled", "_lookup_keys", "trace_headers_of",
         "value_limit", "attribution", "_session_of", "_arrival_of", "_new_requests_of",
         "_resumed_ids_of", "reconciler", "reuse", "preempted_blocks", "preempted_demand",
-        "_chores_due", "connectors", "misses", "layout", "_attention_reach", "_hit_blocks", "pending_hit_blocks",
+        "_catch_up_due", "connectors", "misses", "layout", "_attention_reach", "_hit_blocks", "pending_hit_blocks",
         "_entries_of", "_cached_entries", "_grown_of",
     )  # fmt: skip
 
@@ -215,7 +215,7 @@ class EngineTelemetry:
         self.preempted_blocks: dict[str, int] = {}
         """Blocks each preempted request gave back, until it runs again: demand the pool lacked."""
         self.preempted_demand = 0
-        self._chores_due = 0.0
+        self._catch_up_due = 0.0
         self.connectors: ConnectorTelemetry | None = None
         """The KV connector's accounting, for an engine that has one (set by ``patch.py``)."""
 
@@ -319,11 +319,11 @@ class EngineTelemetry:
         now = time.monotonic()
         self.pool.note_pops(now)
         self.reuse.on_demand(self.pool.limit - self.pool.queue.num_free_blocks, self.preempted_demand, now)
-        if now >= self._chores_due:
-            self._chores(now)
-        self.attribution.keep_up()
+        if now >= self._catch_up_due:
+            self._catch_up(now)
+        self.attribution.catch_up_if_behind()
         try:  # last, each whatever the other does: a failure there costs the curve, or the peaks
-            self.reuse.keep_up()
+            self.reuse.catch_up_if_behind()
         finally:
             if self._grown_of is not None:
                 self._read_peaks(output)
@@ -475,7 +475,7 @@ class EngineTelemetry:
             )
         if not self.scheduler_requests:
             # An idle engine takes no steps (an abort can free blocks then): look now.
-            self.pool.settle()
+            self.pool.catch_up()
             self.reconciler.run()
             self.record_sink.went_idle()
         # The prefix's frees last: a failure there costs them, not the span nor the idle pass.
@@ -517,11 +517,11 @@ class EngineTelemetry:
 
     # --- chores and readings ---------------------------------------------------------
 
-    def _chores(self, now: float) -> None:
-        self.pool.settle_if_due(now)
+    def _catch_up(self, now: float) -> None:
+        self.pool.catch_up_if_due(now)
         self.reconciler.maybe_run(now)
         self.record_sink.flush_if_due(now)
-        self._chores_due = min(self.pool.due, self.reconciler.due, self.record_sink.due)
+        self._catch_up_due = min(self.pool.due, self.reconciler.due, self.record_sink.due)
 
     def on_prefix_cache_reset(self, succeeded: bool) -> None:
         """After ``reset_prefix_cache``: if it succeeded, no block holds a prefix."""
@@ -530,6 +530,6 @@ class EngineTelemetry:
             self.reuse.on_reset()
 
     @property
-    def snapshot(self) -> PoolSnapshot:
+    def pool_counts(self) -> PoolCounts:
         """The pool now (read on the metric reader's thread, see ``PoolTracker.counts``)."""
-        return snapshot_of(*self.pool.counts(), self.pool.limit)
+        return pool_counts(*self.pool.counts(), self.pool.limit)

@@ -57,7 +57,7 @@ block; Python ``hash`` ints as keys cost twice the instructions of vLLM's own
 hash objects, ``benchmarks/RESULTS.md``), and per sampled block a ``bisect``
 and a deletion from a short list. Where nothing reads the curve for long, the
 engine thread takes in a slice at each step once ``MOST_PENDING`` entries wait
-(``keep_up``), at the cost it would have paid event by event. Memory: the
+(``catch_up_if_behind``), at the cost it would have paid event by event. Memory: the
 history above, the entries waiting and what they keep (about 20 MB at most),
 and the stack up to ``2 × max(SCALES)`` × pool × ``sample_rate`` blocks.
 """
@@ -356,7 +356,7 @@ class PrefixReuse:
         (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
         self._curve_events.append(_RESET)
 
-    def keep_up(self) -> None:
+    def catch_up_if_behind(self) -> None:
         """Once a step, on the engine thread: where nothing has read the curve for long
         (more than ``MOST_PENDING`` entries wait), takes in the oldest ``ENGINE_SLICE``
         entries or more, back to the bound, at the cost it would have paid event by

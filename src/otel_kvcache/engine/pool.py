@@ -359,8 +359,8 @@ class PoolTracker:
         if self._hit.get(deepest.block_id) is not self._block_hash(deepest):
             self._hit.update(zip(map(_BLOCK_ID, blocks), map(self._block_hash, blocks)))
         # Some are free: in the back part. A loop, not ``countOf(map(attrgetter("ref_cnt"), ...))``:
-        # CPython specializes the loop's attribute read, not the C getter's, which with the
-        # count cost 3.6 k instructions for a prefix hit's 8 blocks on churn (benchmarks/RESULTS.md).
+        # CPython specializes the loop's attribute read, not the C getter's
+        # (``docs/overhead.md#pool-tracker``).
         for block in blocks:
             if not block.ref_cnt:
                 self._take_back(blocks)

@@ -4,10 +4,10 @@ Runs on the engine thread once ``schedule()`` returns, in the first step after
 ``OTEL_KVCACHE_RECONCILE_SECONDS`` (the scheduler's state is whole then: in
 vLLM the model runs next), and when the engine runs out of requests, since an
 idle engine takes no steps. One pass is O(live requests + blocks
-marked as hit) in Python and O(blocks) in C (the pool's reference sum): under
-a millisecond for 10,000 blocks. The next pass waits at least 1,000 times as
-long as the last took (``RECONCILE_BUDGET``), so whatever the pool size and
-step rate it takes at most 0.1 % of the engine thread.
+marked as hit) in Python and O(blocks) in C (the pool's reference sum). The next
+pass waits at least 1,000 times as long as the last took (``RECONCILE_BUDGET``), so
+whatever the pool size and step rate it takes at most 0.1 % of the engine thread
+(what a pass takes by pool size: ``docs/overhead.md#reconciliation``).
 
 - orphaned blocks: references (``ref_cnt``, summed over the pool) that no live
   request's block list and no deferred free accounts for;

@@ -6,11 +6,11 @@ most once a second, and at most ``BUDGET`` of the time: after two rounds whose s
 at least t of the thread's own time to build, the next waits at least t / ``BUDGET``, so a
 huge pool is published less often rather than at a greater cost.
 
-- Building is done under the GIL: time the engine thread may wait for (measured in
-  benchmarks/RESULTS.md, "The live snapshot").
+- Building is done under the GIL: time the engine thread may wait for
+  (``docs/overhead.md#live-snapshot``).
 - The files' writing is not counted: the GIL is free while the kernel opens, writes and
-  renames. Counted, it alone put the next snapshot up to 1.45 s away on a pool of 63
-  blocks (two thirds of the round), though the round held the GIL for 0.4 ms.
+  renames, and on a small pool that is most of a round. Counted, it would hold the next
+  snapshot back for time the engine thread never waits for.
 - The lesser of the last two rounds, so that one slow round (a garbage collection in this
   thread, say) does not leave ``top`` without a snapshot for seconds.
 

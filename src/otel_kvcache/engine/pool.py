@@ -23,9 +23,9 @@ in one loop that stays in the CPU's caches instead of one that leaves them
 each step.
 
 Which run a block is in matters only when a prefix hit takes free blocks back
-(or a connector evicts them), and writing it down costs a few hundred
-nanoseconds a block on the engine thread, several times that once the blocks
-have left the CPU's caches. So a run is indexed by block when it is appended
+(or a connector evicts them), and writing it down is work per block on the
+engine thread, dearer still once the blocks have left the CPU's caches
+(``docs/overhead.md#pool-tracker``). So a run is indexed by block when it is appended
 while prefix hits keep taking free blocks back (``EAGER_APPENDS``), and
 otherwise its blocks wait, with those of the runs appended after it, in one
 list (``_unindexed``), indexed only if a take-back comes.
@@ -35,9 +35,9 @@ taken off are kept as spares for the next appends, and the blocks waiting to
 be indexed are copied into the one list rather than kept in vLLM's. A steady
 vLLM allocates about as many such objects as it frees, so CPython seldom
 collects its youngest generation; a second's worth of new runs (and vLLM's
-lists with them) waiting to be settled tipped that balance: a collection every
-quarter second on churn, each a few milliseconds spent walking vLLM's young
-requests and their token lists.
+lists with them) waiting to be settled would tip that balance, and each
+collection walks vLLM's young requests and their token lists
+(``docs/overhead.md#garbage-collections``).
 
 From 0.34, ``free_blocks(..., evict_first=True)`` (only the CPU-offloading
 connector in lazy mode, which takes cached blocks off the head to copy them,
@@ -359,8 +359,8 @@ class PoolTracker:
         if self._hit.get(deepest.block_id) is not self._block_hash(deepest):
             self._hit.update(zip(map(_BLOCK_ID, blocks), map(self._block_hash, blocks)))
         # Some are free: in the back part. A loop, not ``countOf(map(attrgetter("ref_cnt"), ...))``:
-        # CPython specializes the loop's attribute read, not the C getter's, which with the
-        # count cost 3.6 k instructions for a prefix hit's 8 blocks on churn (benchmarks/RESULTS.md).
+        # CPython specializes the loop's attribute read, not the C getter's
+        # (``docs/overhead.md#pool-tracker``).
         for block in blocks:
             if not block.ref_cnt:
                 self._take_back(blocks)

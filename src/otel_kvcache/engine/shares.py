@@ -11,9 +11,9 @@ from otel_kvcache.vllm_compat.blocks import reference_counts
 def fair_share(blocks: Any, may_hold_null: bool = True) -> float:
     """A request's blocks, each counted 1 / its reference count (``ref_cnt``: how many
     block lists hold it), vLLM's null block left out. Most blocks have one holder: they
-    are counted in one C call (``list.count``), the shared ones one by one. Run over every
-    held block at each collection: 40 ns a block when none is shared, 72 when a fifth
-    are, against 96 for a division per block (``timeit``, 20,000 of vLLM's blocks)."""
+    are counted in one C call (``list.count``), the shared ones one by one: run over every
+    held block at each collection, it costs less than a division per block even with a
+    fifth of them shared (``docs/overhead.md#attribution``)."""
     references = reference_counts(blocks, may_hold_null)
     alone = references.count(1)
     if alone == len(references):

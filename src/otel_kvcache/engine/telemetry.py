@@ -115,8 +115,8 @@ class EngineTelemetry:
 
     # Slotted: an instance dict of more than 30 keys is no longer shared (CPython 3.11's
     # SHARED_KEYS_MAX_SIZE), and a method load from an object with a dict of its own is never
-    # specialized: each ``self.<method>()`` in the hooks took CPython's generic lookup, about
-    # 200 instructions, 18 of them per finished request on churn (benchmarks/RESULTS.md).
+    # specialized: each ``self.<method>()`` in the hooks would take CPython's generic lookup
+    # (``docs/overhead.md#engine-state``).
     __slots__ = (
         "__weakref__",  # the instruments and the snapshot publisher hold engines weakly
         "record_sink", "errors", "block_size", "index", "attributes", "pool", "bytes_per_block",

@@ -53,13 +53,14 @@ the engine's process, ``MissReasons``' set operations per freed or missed block)
 until the curve is read (``catch_up``: at metric collection, or a snapshot for
 ``otel-kvcache top``), off the engine thread: per block, a set operation and a comparison in C
 (``itertools.compress`` picks the sampled ones without a Python step per
-block; Python ``hash`` ints as keys cost twice the instructions of vLLM's own
-hash objects, ``benchmarks/RESULTS.md``), and per sampled block a ``bisect``
-and a deletion from a short list. Where nothing reads the curve for long, the
-engine thread takes in a slice at each step once ``MOST_PENDING`` entries wait
-(``catch_up_if_behind``), at the cost it would have paid event by event. Memory: the
-history above, the entries waiting and what they keep (about 20 MB at most),
-and the stack up to ``2 × max(SCALES)`` × pool × ``sample_rate`` blocks.
+block; the keys are vLLM's own hash objects, not Python ``hash`` ints, which would
+cost a ``hash`` call and a new int per block), and per sampled block a ``bisect``
+and a deletion from a short list (``docs/overhead.md#what-if-curve``). Where
+nothing reads the curve for long, the engine thread takes in a slice at each
+step once ``MOST_PENDING`` entries wait (``catch_up_if_behind``), at the cost it would
+have paid event by event. Memory: the history above, the entries waiting and
+what they keep (about 20 MB at most), and the stack up to ``2 × max(SCALES)`` ×
+pool × ``sample_rate`` blocks.
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def default_sample_rate(pool_blocks: int) -> float:
 
 class _Stack:
     """Places (increasing numbers) of the sampled blocks not in use, deepest first, with
-    the count of those above any one. In chunks: a deletion from one plain list moved
-    the whole list's tail (thousands of pointers) and cost more than everything else
-    otel-kvcache does per request (``benchmarks/RESULTS.md``)."""
+    the count of those above any one. In chunks: a deletion from one plain list moves
+    the whole list's tail, thousands of pointers for a sample of thousands of blocks
+    (``docs/overhead.md#what-if-curve``)."""
 
     CHUNK = 128
 

@@ -13,7 +13,7 @@ The pipe's thread (``_look_after_the_pipe``) encodes each hand-over as a frame
 (``wire_format.frame``), writes what the pipe takes, retries the rest
 ``RETRY_SECONDS`` later, reads the helper's acknowledgements and replaces a helper
 that died (``helper_process.py``). It holds the interpreter's lock while each
-``marshal`` runs, as any Python thread would (``docs/overhead.md``). While an idle
+``marshal`` runs, as any Python thread would (``docs/overhead.md#hand-over``). While an idle
 engine's records are unacknowledged, or the helper holds spans for a collector that
 takes nothing, it reads the acknowledgements every ``IDLE_SECONDS``, so that failed
 exports are counted without a step; it sleeps on an event otherwise.

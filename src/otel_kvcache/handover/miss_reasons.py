@@ -13,9 +13,8 @@ among them are found where the request's span is built, and the cold ones are th
   frame's records, each free's hashes and each missed lookup's keys in the order vLLM
   made them (``MissesForTheHelper``, one flat list of events: ``FREED``, ``ENTRIES``,
   ``MISSED`` and their fields), and the helper keeps the history
-  (``MissReasonsFromTheEngine``). Keeping it on the engine thread meant hashing each
-  freed block's hash and adding it to a set, the dearest thing the engine did per
-  request (``benchmarks/RESULTS.md``).
+  (``MissReasonsFromTheEngine``), so that the engine thread neither hashes a freed
+  block's hash nor grows a set per free (``docs/overhead.md#miss-reasons``).
 
 What the helper's history does not see: the events of frames lost on the way (with
 their records, counted; or alone, where the engine's end of the pipe drops prefix

@@ -45,8 +45,8 @@ class ConnectorSummary(NamedTuple):
 
 class RequestEnded(NamedTuple):
     """What the engine hands an exporter when a request ends: strings, bytes, numbers and
-    objects that exist already, which ``marshal`` writes in one call. Flat: a tuple among
-    the fields costs ``marshal`` more than the rest of the record (``benchmarks/RESULTS.md``).
+    objects that exist already, which ``marshal`` writes in one call. Flat: no tuple among the
+    fields, which ``marshal`` would write as an object of its own (``docs/overhead.md#record``).
     The engine hands over the fields in this order as a plain tuple (``EngineTelemetry.on_released``)."""
 
     request_id: str

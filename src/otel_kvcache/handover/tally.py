@@ -5,16 +5,12 @@ the request ends, hands its bytes (``PACKED``) to the exporter, which reads them
 back into a ``FinishedRequest`` (``record.finished_request``). Flat on
 purpose: a tally made of Python objects (a slotted object, its event list and
 tuples) is a dozen small objects allocated at admission, scattered over the heap,
-all cold again when the request ends. Reading and serializing them at release
-took about 5 us in the decode-heavy loop, the largest single item on the engine
-thread. A list is one object, and CPython specializes reading and writing its
-items by index; an ``array`` of 64-bit counts, the tally before, converted each
-item written through ``PyArg_Parse``: about 370 instructions a write, 18 writes
-and 6 reads per finished request on churn, 7.9 k instructions in all. At release
-the list is packed into bytes in one C call (``PACKED``, 4.8 k instructions): about
-3 k less a request than the ``array``, the packing counted (``benchmarks/RESULTS.md``).
-Bytes are no object the garbage collector tracks, so the records and the series'
-counts that hold them until later add none.
+all cold again when the request ends, when the engine thread reads them. A list is
+one object, and CPython specializes reading and writing its items by index (an
+``array`` converts each item written through ``PyArg_Parse``). At release the list
+is packed into bytes in one C call (``PACKED``). Bytes are no object the garbage
+collector tracks, so the records and the series' counts that hold them until later
+add none. What each form cost: ``docs/overhead.md#tally``.
 
 Events other than the first admission and the release (preempted, resumed,
 stuck, zombie) are rare, and kept apart as tuples (``EngineTelemetry.event``).

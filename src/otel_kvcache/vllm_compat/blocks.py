@@ -102,9 +102,9 @@ def held_blocks_counter(type_managers: tuple[tuple[Any, bool], ...]) -> Callable
         blocks_of = blocks_by_request(type_managers[0][0]).get
         return lambda request_id: len(blocks_of(request_id, ()))
 
-    # Read for each request a hybrid model's step gives blocks (``EngineTelemetry._read_peaks``):
-    # each group's lookup bound once and ``real_blocks`` inlined, about 9 k instructions a
-    # finished request less on churn/hybrid (``benchmarks/RESULTS.md``).
+    # Read for each request a hybrid model's step gives blocks (``EngineTelemetry._read_peaks``),
+    # on the engine thread: each group's lookup bound once and ``real_blocks`` inlined
+    # (``docs/overhead.md#hybrid-models``).
     groups = tuple((blocks_by_request(manager).get, with_null_blocks) for manager, with_null_blocks in type_managers)
 
     def held_blocks(request_id: str) -> int:

@@ -38,7 +38,7 @@ class HookPoint(NamedTuple):
     second source in vLLM tells the same. Empty for a hook point the span survives the loss of."""
     hot: bool = True
     """Runs in the engine's loop, up to many times a step: patched with a plain
-    function, as wrapt's proxy costs ~0.7 µs a call there (``hooks.py``)."""
+    function: wrapt's proxy adds frames of its own to every call (``hooks.py``)."""
     verified_on: tuple[str, ...] = VERIFIED
     until: str | None = None
     """The first release without this hook point (it exists only before it), or None."""

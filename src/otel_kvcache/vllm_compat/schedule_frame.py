@@ -52,8 +52,8 @@ def allocation_watch(vllm_config: Any) -> Callable[[], Any] | None:
     whether that step ended on an allocation failure (``allocation_failed``).
 
     None where nothing but a failed allocation leaves the step's last attempt waiting,
-    so that the engine thread pays nothing for it (the frame costs about 0.35 % of the
-    gate's wide workload, ``benchmarks/RESULTS.md``): vLLM holds a request back only
+    so that the engine thread pays nothing for it (a frame read at every admission attempt,
+    ``docs/overhead.md#allocation-stalls``): vLLM holds a request back only
     with ``--max-num-inflight-kv-loads`` (0.34) and skips one under encoder-cache
     pressure only for multimodal input. None too where ``schedule`` has no such local."""
     holds_back = getattr(vllm_config.scheduler_config, "max_num_inflight_kv_loads", None) is not None

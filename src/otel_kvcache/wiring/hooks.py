@@ -4,8 +4,9 @@
 
 Cold hook points get wrapt's ``FunctionWrapper``. Hot ones (the engine loop's,
 called up to dozens of times a step) get a plain function built around the
-original (``patch.py``): wrapt's proxy costs about 0.7 µs a call, and at ~25
-calls a step that alone would be most of the overhead budget.
+original (``patch.py``): wrapt's proxy adds frames of its own to every call, and at
+dozens of calls a step that alone would be most of the overhead budget
+(``docs/overhead.md#hot-wrappers``).
 
 Another tool may have wrapped a method before us, or wrap ours after us.
 Whatever we find on the class is called as vLLM's ``self.method(...)`` would

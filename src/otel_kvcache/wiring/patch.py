@@ -58,11 +58,11 @@ ENGINE_ATTRIBUTE = "_otel_kvcache_engine"
 """Set on each Scheduler built while instrumented, its KVCacheManager, BlockPool and free
 queue: its ``EngineTelemetry``, or None where instrumentation was suppressed. The hot
 wrappers read it as a plain attribute, ``self._otel_kvcache_engine``, which CPython
-specializes: ``getattr(self, ENGINE_ATTRIBUTE, None)`` instead cost churn about 10 k
-instructions a finished request (benchmarks/RESULTS.md). An object that has none (built
+specializes, as it cannot a call of ``getattr(self, ENGINE_ATTRIBUTE, None)``
+(``docs/overhead.md#hot-wrappers``). An object that has none (built
 before ``instrument()``, on a release the start-up survey found not ready, or a second block
-pool such as hisparse's host pool) makes the read raise AttributeError, a few thousand
-instructions a call, and the wrapper passes vLLM's call straight through, outside the
+pool such as hisparse's host pool) makes each read raise AttributeError, dearer than a
+generic call, and the wrapper passes vLLM's call straight through, outside the
 handler. A class-level default of None would spare those calls the exception."""
 
 RecordSinkFactory = Callable[[], RecordSink]

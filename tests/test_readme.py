@@ -209,3 +209,18 @@ def test_every_relative_link_leads_to_a_file(page):
         elif not path and anchor not in anchors:
             broken.append(link)
     assert broken == []
+
+
+def test_every_pointer_from_the_code_into_the_docs_names_a_heading_there():
+    """A comment states the constraint and points to the numbers (``docs/<page>.md#anchor``):
+    each anchor is a heading of that page."""
+    pointers = set()
+    for module in PACKAGE.rglob("*.py"):
+        pointers.update(re.findall(r"docs/([\w-]+\.md)#([\w-]+)", module.read_text()))
+    assert pointers, "no pointer into docs/ found in the code"
+    missing = []
+    for page, anchor in sorted(pointers):
+        text = re.sub(r"(?ms)^\s*```.*?^\s*```", "", (ROOT / "docs" / page).read_text())
+        if anchor not in {github_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}:
+            missing.append(f"{page}#{anchor}")
+    assert missing == []

@@ -25,7 +25,7 @@ EMPTIED_METHODS = {
                                "on_entries_held": None}},
     "misses": {"MissesForTheHelper": {"freed": None, "missed": None, "entries_freed": None}},
     # A hybrid model's own: its peaks, and where its hits can end (``vllm_compat.layouts``).
-    "hybrid": {"EngineTelemetry": {"_read_peaks": None, "_entries_freed": None, "_entries_held": None}},
+    "hybrid": {"EngineTelemetry": {"_read_peaks": None, "_entries_freed": None, "_entries_cached": None}},
     "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
     "handover": {"HelperPipe": {"queue_pending": None}},
 }

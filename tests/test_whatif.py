@@ -15,6 +15,7 @@ import prefix_stream
 from otel_kvcache import names
 from otel_kvcache.engine import whatif
 from otel_kvcache.engine.whatif import SCALES
+from otel_kvcache.handover.miss_reasons import FREED, LOOKUP
 
 TOLERANCE = 0.05
 CHECKED_SCALES = (0.5, 2.0, 4.0)
@@ -32,7 +33,7 @@ class ReadBetweenFieldsAndHashes(list):
 
     def extend(self, entries) -> None:
         super().extend(entries)
-        if isinstance(entries, tuple) and entries[0] in (whatif._LOOKUP, whatif._FREED) and entries[-1]:
+        if isinstance(entries, tuple) and entries[0] in (LOOKUP, FREED) and entries[-1]:
             self.reuse.catch_up()
             self.left_waiting.append(len(self))  # what it could not take in yet
 

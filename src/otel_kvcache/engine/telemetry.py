@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
@@ -288,7 +289,8 @@ class EngineTelemetry:
             present = 0 if self._attention_reach is None else max(self._attention_reach(request) // unit - hit_blocks, 0)
             if present and self._cached_entries is not None:
                 try:
-                    self._entries_held(self._cached_entries(request_id, keys[hit_blocks : hit_blocks + present]))
+                    held = self._cached_entries(request_id, keys[hit_blocks : hit_blocks + present])
+                    self._entries_cached(held, self.reuse.on_entries_held)
                 except Exception as exc:  # noqa: BLE001 - ours: the lookup's own events still go
                     self.errors.count(HELD_ENTRIES, exc)
             try:  # each whatever the other does (a try costs nothing until it catches)
@@ -497,25 +499,21 @@ class EngineTelemetry:
 
     def _entries_freed(self, blocks: list) -> None:
         """Before vLLM appends these blocks to its free queue, with their prefixes (a hybrid
-        model's): the entries of the checked groups among them, to the curve and to where
-        the miss reasons are found."""
-        entries = self._entries_of(blocks)
+        model's): the entries of the checked groups among them."""
+        self._entries_cached(self._entries_of(blocks), self.reuse.on_entries_freed)
+
+    def _entries_cached(self, entries: list, to_the_curve: Callable[[list], None]) -> None:
+        """Entries of a hybrid model's checked groups in vLLM's cache: given back to its free
+        queue (``_entries_freed``), or found by a lookup, held by running requests. To the
+        curve, as ``to_the_curve`` tells it, and to where the miss reasons are found, which
+        knows them alike."""
         if entries:
             try:
-                self.reuse.on_entries_freed(entries)
+                to_the_curve(entries)
             finally:
                 self.misses.entries_freed(entries)
 
-    def _entries_held(self, entries: list) -> None:
-        """Entries of a hybrid model's checked groups that a lookup found in vLLM's cache (held
-        by running requests): known to where the miss reasons are found as the freed ones are."""
-        if entries:
-            try:
-                self.reuse.on_entries_held(entries)
-            finally:
-                self.misses.entries_freed(entries)
-
-    # --- chores and readings ---------------------------------------------------------
+    # --- catching up and readings ----------------------------------------------------
 
     def _catch_up(self, now: float) -> None:
         self.pool.catch_up_if_due(now)

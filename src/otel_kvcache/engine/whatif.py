@@ -76,7 +76,7 @@ from collections.abc import Iterable
 from itertools import compress, repeat
 from operator import gt
 
-from otel_kvcache.handover.miss_reasons import FreedHistory
+from otel_kvcache.handover.miss_reasons import DEMAND, ENTRIES, FREED, HELD, LOOKUP, RESET, FreedHistory, next_event
 from otel_kvcache.vllm_compat.layouts import PrefixLayout
 
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -240,23 +240,6 @@ class _Window:
         return total
 
 
-# The kinds of the events waiting for the curve: objects no field or hash can be, so that an
-# event whose hashes never came (an exception between its two calls) is found.
-_LOOKUP, _FREED, _ENTRIES, _HELD, _DEMAND, _RESET = (object() for _ in range(6))
-
-_KINDS = (_LOOKUP, _FREED, _ENTRIES, _HELD, _DEMAND, _RESET)
-
-
-def _next_event(events: list, at: int, written: int) -> int:
-    """Where the first event after ``at`` begins (``written`` if none has yet): a kind is
-    no field or hash, so the reading can go on there (rarely: after a loss only)."""
-    for index in range(at + 1, written):
-        entry = events[index]
-        if any(entry is kind for kind in _KINDS):
-            return index
-    return written
-
-
 # A window bucket's fields.
 _LOOKED_UP, _HIT, _PEAK, _GAIN = 0, 1, 2, 3
 
@@ -321,21 +304,21 @@ class PrefixReuse:
         now and not kept: vLLM frees the deepest first, and the curve takes them in in
         that order): cached now, or still in use by another."""
         events = self._curve_events
-        events.extend((_FREED, len(hashes)))  # the hashes apart: see catch_up
+        events.extend((FREED, len(hashes)))  # the hashes apart: see catch_up
         events.extend(hashes)
 
     def on_entries_freed(self, keys: list) -> None:
         """vLLM gave back blocks holding these entries of a hybrid model's checked groups
         (``layouts.entries_reader``), cached in its free queue from now on."""
         events = self._curve_events
-        events.extend((_ENTRIES, len(keys)))
+        events.extend((ENTRIES, len(keys)))
         events.extend(keys)
 
     def on_entries_held(self, keys: list) -> None:
         """A lookup found these entries of a hybrid model's checked groups in vLLM's cache,
         held by running requests (``layouts.cached_entries_reader``)."""
         events = self._curve_events
-        events.extend((_HELD, len(keys)))
+        events.extend((HELD, len(keys)))
         events.extend(keys)
 
     def on_lookup(self, keys: list, hit_blocks: int, unit: int, queried_tokens: int,
@@ -345,17 +328,17 @@ class PrefixReuse:
         did, and the ``present`` after them are in the full-attention group's cache
         (``layouts.attention_reach_reader``). The looked-up blocks are in use from now on."""
         events = self._curve_events
-        events.extend((_LOOKUP, hit_blocks, unit, queried_tokens, used_blocks, now, present, len(keys)))
+        events.extend((LOOKUP, hit_blocks, unit, queried_tokens, used_blocks, now, present, len(keys)))
         events.extend(keys)
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
         """Blocks in use, and held by preempted requests waiting to run again."""
-        self._curve_events.extend((_DEMAND, used_blocks + waiting_for_blocks, now))
+        self._curve_events.extend((DEMAND, used_blocks + waiting_for_blocks, now))
 
     def on_reset(self) -> None:
         """The prefix cache was emptied: no freed block is cached any more, at any size.
         (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
-        self._curve_events.append(_RESET)
+        self._curve_events.append(RESET)
 
     def catch_up_if_behind(self) -> None:
         """Once a step, on the engine thread: where nothing has read the curve for long
@@ -388,14 +371,14 @@ class PrefixReuse:
             try:
                 while at < end:
                     kind = events[at]
-                    if kind is _LOOKUP:
+                    if kind == LOOKUP:
                         hit_blocks, unit, queried_tokens, used_blocks, now, present, count = events[at + 1 : at + 8]
                         if at + 8 + count > written:
                             break
                         keys = events[at + 8 : at + 8 + count]
                         at += 8 + count
                         self._curve_lookup(keys, hit_blocks, unit, queried_tokens, used_blocks, now, present)
-                    elif kind is _FREED:
+                    elif kind == FREED:
                         count = events[at + 1]
                         if at + 2 + count > written:
                             break
@@ -403,22 +386,22 @@ class PrefixReuse:
                         at += 2 + count
                         hashes.reverse()  # in the order vLLM freed them: deepest first
                         self._curve_freed(hashes)
-                    elif kind is _ENTRIES or kind is _HELD:
+                    elif kind == ENTRIES or kind == HELD:
                         count = events[at + 1]
                         if at + 2 + count > written:
                             break
                         entries = events[at + 2 : at + 2 + count]
                         at += 2 + count
-                        (self._curve_entries_freed if kind is _ENTRIES else self._curve_entries_held)(entries)
-                    elif kind is _DEMAND:
+                        (self._curve_entries_freed if kind == ENTRIES else self._curve_entries_held)(entries)
+                    elif kind == DEMAND:
                         demand, now = events[at + 1 : at + 3]
                         at += 3
                         self._curve_demand(demand, now)
-                    elif kind is _RESET:
+                    elif kind == RESET:
                         at += 1
                         self._curve_reset()
                     else:  # a field or a hash: an earlier event's hashes never came
-                        at = _next_event(events, at, written)
+                        at = next_event(events, at, written)
                         self._curve_reset()
                         lost = True
                 if lost:  # counted by the caller; the events after the loss were taken in

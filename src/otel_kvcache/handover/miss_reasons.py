@@ -135,12 +135,27 @@ class MissReasons:
         tally[EVICTED_TOKENS] += unit * self._history.evicted(keys, present, self._layout)
 
 
-FREED, MISSED, ENTRIES = -1, -2, -3
-"""The kinds of the prefix events: ``FREED, count, *hashes`` (a request gave back its
-blocks, whose units' hashes these are), ``MISSED, lookup serial, present, count, *keys``
-(a lookup's units that missed, the first ``present`` of them with their attention blocks
-in the cache) and ``ENTRIES, count, *keys`` (a hybrid model's checked groups' entries
-that reached the free queue: ``layouts.PrefixLayout``)."""
+FREED, MISSED, ENTRIES, HELD, LOOKUP, DEMAND, RESET = range(-1, -8, -1)
+"""The kinds of prefix events, in the flat lists the engine thread fills: each event's kind
+and fields in one call, its hashes in the next. Negative, as no count, serial, time or hash
+is, so that a reader finds the next event where one's hashes never came (``next_event``).
+
+To the helper (``MissesForTheHelper``): ``FREED, count, *hashes`` (a request gave back its
+blocks, whose units' hashes these are), ``MISSED, lookup serial, present, count, *keys`` (a
+lookup's units that missed, the first ``present`` of them with their attention blocks in
+the cache) and ``ENTRIES, count, *keys`` (a hybrid model's checked groups' entries that
+reached the free queue, or that a lookup found held: ``layouts.PrefixLayout``). To the
+what-if curve (``engine.whatif.PrefixReuse``): ``FREED`` and ``ENTRIES`` alike, ``HELD``
+for the entries a lookup found held, and ``LOOKUP``, ``DEMAND`` and ``RESET``."""
+
+
+def next_event(events: list, at: int, end: int) -> int:
+    """Where the first event after ``at`` begins, before ``end`` (``end`` if none does)."""
+    for index in range(at + 1, end):
+        entry = events[index]
+        if type(entry) is int and entry < 0:
+            return index
+    return end
 
 
 class PrefixEvents(NamedTuple):
@@ -245,7 +260,7 @@ class MissReasonsFromTheEngine:
             # An event's hashes never came (the engine's call failed between its two
             # halves): the reading goes on at the next event (a kind is no count, serial
             # or hash); the lookup lost stays cold.
-            at = _next_event(events, at)
+            at = next_event(events, at, end)
             if not self._told_lost:
                 self._told_lost = True
                 _logger.warning("otel-kvcache: prefix events lost their order; a lookup's misses there stay cold")
@@ -260,15 +275,6 @@ class MissReasonsFromTheEngine:
         counts = list(counts)
         counts[EVICTED_TOKENS] += self._layout.unit * remembered
         return PACKED.pack(*counts)
-
-
-def _next_event(events: list, at: int) -> int:
-    """Where the first event after ``at`` begins (the end if none does)."""
-    for index in range(at + 1, len(events)):
-        entry = events[index]
-        if type(entry) is int and entry in (FREED, MISSED, ENTRIES):
-            return index
-    return len(events)
 
 
 def _all_hashes(entries: list, count: int) -> bool:

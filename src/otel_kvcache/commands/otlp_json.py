@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar, Union
+from typing import TypeVar
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -32,7 +32,7 @@ _ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_i
 """Fields that hold a trace or span id (of spans, links, exemplars and log records), under
 their JSON and proto names, both of which OTLP JSON receivers accept."""
 
-Value = Union[str, bool, int, float, bytes, list, dict, None]
+Value = str | bool | int | float | bytes | list | dict | None
 
 
 @dataclass

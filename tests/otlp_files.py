@@ -1,9 +1,9 @@
 """OTLP JSON lines written as the collector's file exporter writes them, for report tests.
 
-One line per export request; the encoding of ``demo/otlp_sink.py`` (ids in
-hex, int64 as strings). ``Run`` lays out a small load: a pool that fills, a
-request preempted and resumed, an aborted one, a leak finding, NVML readings
-and, optionally, the capacity what-if gauge.
+One line per export request: opentelemetry-proto's messages in the encoding of
+``demo/otlp_sink.py`` (protobuf's JSON mapping, ids in hex). ``Run`` lays out a
+small load: a pool that fills, a request preempted and resumed, an aborted one,
+a leak finding, NVML readings and, optionally, the capacity what-if gauge.
 """
 
 from __future__ import annotations
@@ -12,32 +12,49 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from google.protobuf.message import Message
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+from opentelemetry.proto.metrics.v1.metrics_pb2 import (
+    AGGREGATION_TEMPORALITY_CUMULATIVE,
+    Gauge,
+    Metric,
+    NumberDataPoint,
+    ResourceMetrics,
+    ScopeMetrics,
+    Sum,
+)
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from demo.otlp_sink import to_otlp_json
 from otel_kvcache import names
 
 T0 = 1_796_000_000_000_000_000
 SECOND = 1_000_000_000
 
 
-def value(v) -> dict:
+def value(v) -> AnyValue:
     if isinstance(v, bool):
-        return {"boolValue": v}
+        return AnyValue(bool_value=v)
     if isinstance(v, int):
-        return {"intValue": str(v)}
+        return AnyValue(int_value=v)
     if isinstance(v, float):
-        return {"doubleValue": v}
-    return {"stringValue": str(v)}
+        return AnyValue(double_value=v)
+    return AnyValue(string_value=str(v))
 
 
-def attrs(mapping: dict) -> list[dict]:
-    return [{"key": k, "value": value(v)} for k, v in mapping.items()]
+def attrs(mapping: dict) -> list[KeyValue]:
+    return [KeyValue(key=k, value=value(v)) for k, v in mapping.items()]
 
 
-def event(name: str, at: float, **attributes) -> dict:
-    return {"timeUnixNano": str(T0 + int(at * SECOND)), "name": name, "attributes": attrs(attributes)}
+def event(name: str, at: float, **attributes) -> Span.Event:
+    return Span.Event(time_unix_nano=T0 + int(at * SECOND), name=name, attributes=attrs(attributes))
 
 
-def kv_span(request_id: str, trace: int, start: float, end: float, finish: str, events: list[dict],
-            more: dict | None = None, **span_attrs) -> dict:  # fmt: skip
+def kv_span(request_id: str, trace: int, start: float, end: float, finish: str, events: list[Span.Event],
+            more: dict | None = None, **span_attrs) -> Span:  # fmt: skip
     attributes = {
         **(more or {}),
         names.REQUEST_ID: request_id,
@@ -48,58 +65,63 @@ def kv_span(request_id: str, trace: int, start: float, end: float, finish: str, 
         names.ALLOCATION_STALLS: span_attrs.get("stalls", 0),
         names.FINISH_REASON: finish,
     }
-    return {
-        "traceId": f"{trace:032x}",
-        "spanId": f"{trace:016x}",
-        "name": names.KV_REQUEST_SPAN,
-        "kind": "SPAN_KIND_INTERNAL",
-        "startTimeUnixNano": str(T0 + int(start * SECOND)),
-        "endTimeUnixNano": str(T0 + int(end * SECOND)),
-        "attributes": attrs(attributes),
-        "events": events,
-    }
+    return Span(
+        trace_id=trace.to_bytes(16, "big"),
+        span_id=trace.to_bytes(8, "big"),
+        name=names.KV_REQUEST_SPAN,
+        kind=Span.SPAN_KIND_INTERNAL,
+        start_time_unix_nano=T0 + int(start * SECOND),
+        end_time_unix_nano=T0 + int(end * SECOND),
+        attributes=attrs(attributes),
+        events=events,
+    )
 
 
-def traces_request(spans: list[dict], engine: int = 0) -> dict:
+def traces_request(spans: list[Span], engine: int = 0) -> ExportTraceServiceRequest:
     resource = {names.PROCESS_ROLE: names.ROLE_ENGINE_CORE, names.ENGINE_INDEX: engine}
-    return {
-        "resourceSpans": [
-            {"resource": {"attributes": attrs(resource)},
-             "scopeSpans": [{"scope": {"name": names.METER_SCOPE}, "spans": spans}]}
-        ]
-    }  # fmt: skip
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource=Resource(attributes=attrs(resource)),
+        scope_spans=[ScopeSpans(scope=InstrumentationScope(name=names.METER_SCOPE), spans=spans)],
+    )])  # fmt: skip
 
 
-def gauge(name: str, at: float, points: list[tuple[float, dict]]) -> dict:
+def gauge(name: str, at: float, points: list[tuple[float, dict]]) -> Metric:
     data_points = [
-        {"timeUnixNano": str(T0 + int(at * SECOND)), **_number(v), "attributes": attrs(a)} for v, a in points
+        NumberDataPoint(time_unix_nano=T0 + int(at * SECOND), attributes=attrs(a), **_number(v)) for v, a in points
     ]
-    return {"name": name, "gauge": {"dataPoints": data_points}}
+    return Metric(name=name, gauge=Gauge(data_points=data_points))
 
 
-def counter(name: str, at: float, total: float, engine: int = 0, series: list[tuple[float, dict]] = ()) -> dict:
+def counter(name: str, at: float, total: float, engine: int = 0, series: list[tuple[float, dict]] = ()) -> Metric:
     """A cumulative counter's reading: ``total``, or each of ``series`` (value, attributes)."""
     points = [
-        {"startTimeUnixNano": str(T0), "timeUnixNano": str(T0 + int(at * SECOND)), **_number(value),
-         "attributes": attrs({names.ENGINE_INDEX: engine, **attributes})}
+        NumberDataPoint(start_time_unix_nano=T0, time_unix_nano=T0 + int(at * SECOND), **_number(value),
+                        attributes=attrs({names.ENGINE_INDEX: engine, **attributes}))
         for value, attributes in (series or [(total, {})])
     ]  # fmt: skip
-    return {"name": name, "sum": {"dataPoints": points, "aggregationTemporality": "AGGREGATION_TEMPORALITY_CUMULATIVE",
-                                  "isMonotonic": True}}  # fmt: skip
+    return Metric(name=name, sum=Sum(data_points=points, aggregation_temporality=AGGREGATION_TEMPORALITY_CUMULATIVE,
+                                     is_monotonic=True))  # fmt: skip
 
 
 def _number(v) -> dict:
-    return {"asInt": str(v)} if isinstance(v, int) else {"asDouble": v}
+    return {"as_int": v} if isinstance(v, int) else {"as_double": v}
 
 
-def metrics_request(metrics: list[dict], scope: str = names.METER_SCOPE) -> dict:
-    return {"resourceMetrics": [{"resource": {"attributes": attrs({names.PROCESS_ROLE: names.ROLE_ENGINE_CORE})},
-                                 "scopeMetrics": [{"scope": {"name": scope}, "metrics": metrics}]}]}  # fmt: skip
+def metrics_request(metrics: list[Metric], scope: str = names.METER_SCOPE) -> ExportMetricsServiceRequest:
+    return ExportMetricsServiceRequest(resource_metrics=[ResourceMetrics(
+        resource=Resource(attributes=attrs({names.PROCESS_ROLE: names.ROLE_ENGINE_CORE})),
+        scope_metrics=[ScopeMetrics(scope=InstrumentationScope(name=scope), metrics=metrics)],
+    )])  # fmt: skip
 
 
-def write_lines(path: Path, requests: list[dict]) -> None:
+def line(request: Message) -> str:
+    """One export request as the sink writes it."""
+    return json.dumps(to_otlp_json(request), separators=(",", ":")) + "\n"
+
+
+def write_lines(path: Path, requests: list[Message]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    path.write_text("".join(line(r) for r in requests))
 
 
 @dataclass
@@ -121,7 +143,7 @@ class Run:
     models: tuple[str, ...] = ("llama", "adapter-x")
     """The attribution series: the first holds three quarters of the used blocks."""
 
-    def spans(self) -> list[dict]:
+    def spans(self) -> list[Span]:
         free_used = lambda free, used: {names.POOL_FREE_BLOCKS: free, names.POOL_USED_BLOCKS: used}  # noqa: E731
         return [
             kv_span("req-a", 1, 0.9, 2.5, "stop", [
@@ -148,15 +170,16 @@ class Run:
             ], more={names.SESSION_TURN_GAP: 0.3, names.PREFIX_EVICTED_TOKENS: 0}, prompt=64, hit=48, peak=3),
         ]
 
-    def finding(self) -> dict:
+    def finding(self) -> Span:
         """A zombie finding about req-a, on a finding span after its own span ended."""
         span = kv_span("req-a", 1, 4.5, 4.5, "stop", [
             event(names.EVENT_ZOMBIE, 4.5, **{names.REQUEST_ID: "req-a", names.BLOCKS: 2}),
         ])  # fmt: skip
-        span["name"], span["attributes"] = names.FINDING_SPAN, []
+        span.name = names.FINDING_SPAN
+        del span.attributes[:]
         return span
 
-    def metrics(self) -> list[dict]:
+    def metrics(self) -> list[ExportMetricsServiceRequest]:
         requests = []
         for second, (used, cached, free) in enumerate(self.pool):
             engine = {names.ENGINE_INDEX: 0}

@@ -21,12 +21,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from demo.__main__ import SHORT_LOAD
 from demo.load import TENANTS
 from headless_chromium import open_and_check
 from test_top_terminal import capture, wait_for_screen
 
 from otel_kvcache import names
+from otel_kvcache.commands import otlp_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,25 +37,24 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.serving, pytest.mark.main_job]
 
 
-def _all_spans(traces_jsonl: Path) -> list[dict]:
-    """Every span in an OTLP JSON lines file, read independently."""
-    return [
+def _all_spans(traces_jsonl: Path) -> list[Span]:
+    """Every span in an OTLP JSON lines file, each line of which must be an export request."""
+    lines = otlp_json.LineCount()
+    spans = [
         span
-        for line in traces_jsonl.read_text().splitlines()
-        for resource_spans in json.loads(line)["resourceSpans"]
-        for scope_spans in resource_spans["scopeSpans"]
-        for span in scope_spans["spans"]
+        for request in otlp_json.requests(traces_jsonl, ExportTraceServiceRequest, lines)
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
     ]
-
-
-def _attributes(span: dict) -> dict:
-    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+    assert lines.requests and not lines.skipped, lines
+    return spans
 
 
 def _spans_in(traces_jsonl: Path) -> dict[str, dict]:
-    """request id -> attributes of the KV spans in an OTLP JSON lines file, read independently."""
-    kv = (_attributes(span) for span in _all_spans(traces_jsonl) if span["name"] == "vllm.kv_cache.request")
-    return {attrs["vllm.request.id"]: attrs for attrs in kv}
+    """request id -> attributes of the KV spans in an OTLP JSON lines file."""
+    kv = (otlp_json.attributes(s.attributes) for s in _all_spans(traces_jsonl) if s.name == names.KV_REQUEST_SPAN)
+    return {attrs[names.REQUEST_ID]: attrs for attrs in kv}
 
 
 @pytest.fixture(scope="module")
@@ -149,17 +151,17 @@ def test_readme_command_1_keeps_every_kv_span_under_its_http_span(main_job):
     assert "OTEL_PYTHON_FASTAPI_EXCLUDE_SPANS=send,receive" in result.stderr
 
     spans = _all_spans(out / "otlp" / "traces.jsonl")
-    asgi_events = [s["name"] for s in spans if s["name"].endswith((" http send", " http receive"))]
+    asgi_events = [s.name for s in spans if s.name.endswith((" http send", " http receive"))]
     assert not asgi_events, f"{len(asgi_events)} ASGI send/receive spans exported, e.g. {asgi_events[:3]}"
-    by_id = {(s["traceId"], s["spanId"]): s for s in spans}
-    kv = [s for s in spans if s["name"] == "vllm.kv_cache.request"]
+    by_id = {(s.trace_id, s.span_id): s for s in spans}
+    kv = [s for s in spans if s.name == "vllm.kv_cache.request"]
     assert kv
     for span in kv:
-        parent = by_id.get((span["traceId"], span.get("parentSpanId", "")))
-        request_id = _attributes(span)["vllm.request.id"]
-        assert parent is not None, f"{request_id}: parent {span.get('parentSpanId')} not exported"
-        assert parent["kind"] == "SPAN_KIND_SERVER", (request_id, parent["name"], parent["kind"])
-        assert parent["name"].startswith("POST /v1/"), (request_id, parent["name"])
+        parent = by_id.get((span.trace_id, span.parent_span_id))
+        request_id = otlp_json.attributes(span.attributes)["vllm.request.id"]
+        assert parent is not None, f"{request_id}: parent {span.parent_span_id.hex()} not exported"
+        assert parent.kind == Span.SPAN_KIND_SERVER, (request_id, parent.name, Span.SpanKind.Name(parent.kind))
+        assert parent.name.startswith("POST /v1/"), (request_id, parent.name)
 
 
 def _printed_totals(stdout: str) -> dict:

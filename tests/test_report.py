@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from headless_chromium import open_and_check
-from otlp_files import T0, Run, kv_span, metrics_request, traces_request, write_lines
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from otlp_files import T0, Run, kv_span, line, metrics_request, traces_request, write_lines
 
 from otel_kvcache import names
 from otel_kvcache.commands import cli
@@ -290,7 +291,7 @@ def test_an_empty_directory_exits_2_saying_what_it_lacks(tmp_path, capsys):
 def test_a_foreign_directory_exits_2(tmp_path, capsys):
     otlp = tmp_path / "otlp"
     other = kv_span("x", 9, 0, 1, "stop", [])
-    other["name"] = "GET /health"
+    other.name = "GET /health"
     write_lines(otlp / "traces.jsonl", [traces_request([other])])
     write_lines(otlp / "metrics.jsonl", [metrics_request([], scope="some.other.meter")])
     (otlp / "metrics.jsonl").open("a").write("not json at all\n")
@@ -374,15 +375,16 @@ def test_phases_cut_a_request_at_its_events():
 def test_reading_a_large_traces_file_streams(tmp_path):
     """20,000 requests, about 30 MB: memory stays at the bounded aggregates plus one
     export request (a line), far below the file."""
-    path = tmp_path / "traces.jsonl"
+    path, templates = tmp_path / "traces.jsonl", Run().spans()
     with path.open("w") as f:
         for batch in range(100):
             spans = []
             for i in range(200):
                 n, start = batch * 200 + i, batch * 10.0 + i * 0.05
-                spans.append(Run().spans()[1 if n % 50 == 0 else 0] | {"traceId": f"{n:032x}"})
-                spans[-1]["startTimeUnixNano"] = str(T0 + int(start * 1e9))
-            f.write(json.dumps(traces_request(spans)) + "\n")
+                spans.append(Span())
+                spans[-1].CopyFrom(templates[1 if n % 50 == 0 else 0])
+                spans[-1].trace_id, spans[-1].start_time_unix_nano = n.to_bytes(16, "big"), T0 + int(start * 1e9)
+            f.write(line(traces_request(spans)))
     size = path.stat().st_size
     tracemalloc.start()
     try:

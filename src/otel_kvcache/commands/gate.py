@@ -13,15 +13,20 @@ hit ratio by more than X (0.05: five points), by the what-if curve.
 from __future__ import annotations
 
 import http.client
-import re
 import sys
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from otel_kvcache import names
+from otel_kvcache.commands import prometheus_names
 from otel_kvcache.commands.command_line import CommandLine, existing_directory, http_url
 from otel_kvcache.commands.otlp_json import latest_per_engine, metric_points, span_events
+
+if TYPE_CHECKING:
+    from prometheus_client.samples import Sample
 
 CHECKED = (names.ORPHANED_BLOCKS, names.ZOMBIE_REQUESTS, names.TAIL_SLACK_RATIO)
 
@@ -44,21 +49,21 @@ def readings_from_otlp(directory: Path) -> dict[str, dict]:
     }
 
 
-def prometheus_name(name: str) -> str:
-    """The name the OpenTelemetry Prometheus exporter gives a metric (annotation units drop)."""
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+def prometheus_samples(text: str) -> Iterator[Sample]:
+    """Every sample of a Prometheus text exposition, its label values unescaped."""
+    from prometheus_client.parser import text_string_to_metric_families  # vLLM depends on it; --otlp-dir does not
+
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
 
 
 def readings_from_prometheus(text: str) -> dict[str, dict]:
     readings: dict[str, dict] = {name: {} for name in CHECKED}
-    wanted = {prometheus_name(name): name for name in CHECKED}
-    engine_label = prometheus_name(names.ENGINE_INDEX)
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if not match or match.group(1) not in wanted:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        readings[wanted[match.group(1)]][labels.get(engine_label, "0")] = float(match.group(3))
+    wanted = {prometheus_names.metric(name): name for name in CHECKED}
+    engine_label = prometheus_names.label(names.ENGINE_INDEX)
+    for sample in prometheus_samples(text):
+        if sample.name in wanted:
+            readings[wanted[sample.name]][sample.labels.get(engine_label, "0")] = sample.value
     return readings
 
 
@@ -82,13 +87,11 @@ def hit_gains_from_otlp(directory: Path) -> dict[str, float]:
 
 
 def hit_gains_from_prometheus(text: str) -> dict[str, float]:
-    wanted, latest = prometheus_name(names.PROJECTED_HIT_RATIO), {}
-    engine_label, scale_label = prometheus_name(names.ENGINE_INDEX), prometheus_name(names.POOL_SCALE)
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if match and match.group(1) == wanted:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-            latest[labels.get(engine_label, "0"), float(labels[scale_label])] = float(match.group(3))
+    wanted, latest = prometheus_names.metric(names.PROJECTED_HIT_RATIO), {}
+    engine_label, scale_label = prometheus_names.label(names.ENGINE_INDEX), prometheus_names.label(names.POOL_SCALE)
+    for sample in prometheus_samples(text):
+        if sample.name == wanted:
+            latest[sample.labels.get(engine_label, "0"), float(sample.labels[scale_label])] = sample.value
     return hit_gains(latest)
 
 
@@ -144,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with urllib.request.urlopen(args.prometheus, timeout=30) as response:
                 text = response.read().decode()
-        except (OSError, ValueError, http.client.HTTPException) as exc:  # unreachable, refused, not a URL
+            readings, gains = readings_from_prometheus(text), hit_gains_from_prometheus(text)
+        # Unreachable, refused, not a URL, not a Prometheus exposition.
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             print(f"otel-kvcache gate: FAIL: cannot read {args.prometheus}: {exc}", file=sys.stderr)
             return 2
-        readings, gains = readings_from_prometheus(text), hit_gains_from_prometheus(text)
     if not any(readings.values()):
         print("otel-kvcache gate: FAIL: no otel-kvcache leak metrics found in the telemetry", file=sys.stderr)
         return 2

@@ -15,7 +15,8 @@ from pathlib import Path
 from otel_kvcache import names
 from otel_kvcache.commands import gate
 from otel_kvcache.commands.report.buckets import TimeBuckets, TimeRange
-from otel_kvcache.commands.report.otlp_stream import LineCount, Point, points
+from otel_kvcache.commands.otlp_json import LineCount
+from otel_kvcache.commands.report.otlp_stream import Point, points
 
 COUNTERS = (
     names.EVICTIONS,

@@ -4,58 +4,32 @@ A report may be built from a collector's file exporter after a long load test,
 with files of gigabytes: nothing here keeps more than the line being read.
 ``otlp_json.kv_spans`` and ``metric_points`` build lists for the gate and the
 demo's table; the report folds each record into bounded aggregates instead.
-
-A line that is not OTLP JSON (a collector killed mid-write leaves half a line)
-is counted and skipped: the rest of the file still tells what happened.
+``otlp_json.requests`` counts and skips a line that is not OTLP JSON: the rest of
+the file still tells what happened.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from otel_kvcache.commands.otlp_json import attributes
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_DELTA
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from otel_kvcache.commands.otlp_json import LineCount, attributes, number, requests
 
 
-@dataclass
-class LineCount:
-    """What a file held: export requests read, and lines that were not OTLP JSON."""
-
-    requests: int = 0
-    skipped: int = 0
-
-
-def _requests(path: Path, key: str, count: LineCount) -> Iterator[dict]:
-    """Each export request in the file whose top-level list is ``key``."""
-    if not path.is_file():
-        return
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                request = json.loads(line)
-            except ValueError:
-                count.skipped += 1
-                continue
-            if not isinstance(request, dict) or not isinstance(request.get(key), list):
-                count.skipped += 1
-                continue
-            count.requests += 1
-            yield request
-
-
-def spans(path: Path, count: LineCount) -> Iterator[tuple[dict, str, dict]]:
+def spans(path: Path, count: LineCount) -> Iterator[tuple[dict, str, Span]]:
     """(resource attributes, scope name, span) for every span in a traces file."""
-    for request in _requests(path, "resourceSpans", count):
-        for resource_spans in request["resourceSpans"]:
-            resource = attributes(resource_spans.get("resource", {}).get("attributes", []))
-            for scope_spans in resource_spans.get("scopeSpans", []):
-                scope = scope_spans.get("scope", {}).get("name", "")
-                for span in scope_spans.get("spans", []):
-                    yield resource, scope, span
+    for request in requests(path, ExportTraceServiceRequest, count):
+        for resource_spans in request.resource_spans:
+            resource = attributes(resource_spans.resource.attributes)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    yield resource, scope_spans.scope.name, span
 
 
 @dataclass
@@ -74,25 +48,25 @@ class Point:
 
 def points(path: Path, count: LineCount) -> Iterator[Point]:
     """Every gauge and sum data point in a metrics file (histograms are left out)."""
-    for request in _requests(path, "resourceMetrics", count):
-        for resource_metrics in request["resourceMetrics"]:
-            for scope_metrics in resource_metrics.get("scopeMetrics", []):
-                scope = scope_metrics.get("scope", {}).get("name", "")
-                for metric in scope_metrics.get("metrics", []):
-                    data = metric.get("gauge") or metric.get("sum")
-                    if not data:
+    for request in requests(path, ExportMetricsServiceRequest, count):
+        for resource_metrics in request.resource_metrics:
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    kind = metric.WhichOneof("data")
+                    if kind not in ("gauge", "sum"):
                         continue
-                    delta = data.get("aggregationTemporality") == "AGGREGATION_TEMPORALITY_DELTA"
-                    for point in data.get("dataPoints", []):
-                        value = point.get("asInt", point.get("asDouble"))
+                    data = getattr(metric, kind)
+                    delta = kind == "sum" and data.aggregation_temporality == AGGREGATION_TEMPORALITY_DELTA
+                    for point in data.data_points:
+                        value = number(point)
                         if value is None:
                             continue
                         yield Point(
-                            metric=metric.get("name", ""),
-                            scope=scope,
-                            time=int(point.get("timeUnixNano", 0)),
-                            start=int(point.get("startTimeUnixNano", 0)),
+                            metric=metric.name,
+                            scope=scope_metrics.scope.name,
+                            time=point.time_unix_nano,
+                            start=point.start_time_unix_nano,
                             value=float(value),
-                            attributes=attributes(point.get("attributes", [])),
+                            attributes=attributes(point.attributes),
                             delta=delta,
                         )

@@ -16,10 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
 from otel_kvcache import names
-from otel_kvcache.commands.otlp_json import attributes
+from otel_kvcache.commands.otlp_json import LineCount, attributes
 from otel_kvcache.commands.report.buckets import TimeBuckets, TimeRange
-from otel_kvcache.commands.report.otlp_stream import LineCount, spans
+from otel_kvcache.commands.report.otlp_stream import spans
 from otel_kvcache.commands.report.sample import RowSample
 
 FINDINGS = (names.EVENT_LEAK, names.EVENT_ZOMBIE)
@@ -91,7 +93,7 @@ class TraceDigest:
     def mark(self, kind: str, time_ns: int) -> None:
         self.marks.setdefault(kind, TimeBuckets(lambda a, b: a + b)).add(time_ns, 1)
 
-    def add_request(self, span: dict, engine) -> None:
+    def add_request(self, span: Span, engine) -> None:
         row = request_row(span)
         self._count(row)
         if row.turn_gap is not None:
@@ -115,51 +117,51 @@ class TraceDigest:
         self.times.saw(row.start)
         self.times.saw(row.end)
 
-    def _fold_events(self, span: dict, engine) -> None:
+    def _fold_events(self, span: Span, engine) -> None:
         """Marks and pool readings from any span's events (a finding span has them too)."""
-        for event in span.get("events", []):
-            name, time_ns = event.get("name"), int(event.get("timeUnixNano", 0))
+        for event in span.events:
+            name, time_ns = event.name, event.time_unix_nano
             self.times.saw(time_ns)
             if name == names.EVENT_PREEMPTED:
                 self.mark(MARK_PREEMPTION, time_ns)
             elif name in FINDINGS:
                 self.leak_findings += 1
                 self.mark(MARK_LEAK, time_ns)
-            a = attributes(event.get("attributes", []))
+            a = attributes(event.attributes)
             used, free = a.get(names.POOL_USED_BLOCKS), a.get(names.POOL_FREE_BLOCKS)
             if used is not None and free is not None:
                 series = self.used_at_events.setdefault(engine, TimeBuckets(_used_at_latest))
                 series.add(time_ns, (time_ns, int(used), int(free)))
 
-    def add_finding(self, span: dict, engine) -> None:
+    def add_finding(self, span: Span, engine) -> None:
         self._fold_events(span, engine)
 
 
-def request_row(span: dict) -> RequestRow:
-    a = attributes(span.get("attributes", []))
+def request_row(span: Span) -> RequestRow:
+    a = attributes(span.attributes)
     return RequestRow(
         request_id=str(a.get(names.REQUEST_ID, "?")),
-        trace_id=span.get("traceId", ""),
-        start=int(span.get("startTimeUnixNano", 0)),
-        end=int(span.get("endTimeUnixNano", 0)),
+        trace_id=span.trace_id.hex(),
+        start=span.start_time_unix_nano,
+        end=span.end_time_unix_nano,
         finish=str(a.get(names.FINISH_REASON, "unknown")),
         input_tokens=int(a.get(names.INPUT_TOKENS) or 0),
         cached_tokens=int(a.get(names.CACHE_READ_INPUT_TOKENS) or 0),
         peak_blocks=int(a.get(names.BLOCKS_PEAK) or 0),
         preemptions=int(a.get(names.PREEMPTIONS) or 0),
         stalls=int(a.get(names.ALLOCATION_STALLS) or 0),
-        events=sorted((_event(e) for e in span.get("events", [])), key=lambda e: e.time),
+        events=sorted((_event(e) for e in span.events), key=lambda e: e.time),
         turn_gap=None if a.get(names.SESSION_TURN_GAP) is None else float(a[names.SESSION_TURN_GAP]),
         prefix_kept=not a.get(names.PREFIX_EVICTED_TOKENS),
     )
 
 
-def _event(event: dict) -> Event:
-    a = attributes(event.get("attributes", []))
+def _event(event: Span.Event) -> Event:
+    a = attributes(event.attributes)
     blocks, hit = a.get(names.BLOCKS), a.get(names.EVENT_PREFIX_HIT_TOKENS)
     return Event(
-        name=event.get("name", ""),
-        time=int(event.get("timeUnixNano", 0)),
+        name=event.name,
+        time=event.time_unix_nano,
         blocks=None if blocks is None else int(blocks),
         prefix_hit_tokens=None if hit is None else int(hit),
     )
@@ -168,7 +170,7 @@ def _event(event: dict) -> Event:
 def read_traces(path: Path) -> TraceDigest:
     digest = TraceDigest()
     for resource, _scope, span in spans(path, digest.lines):
-        name = span.get("name")
+        name = span.name
         if name == names.KV_REQUEST_SPAN:
             digest.add_request(span, resource.get(names.ENGINE_INDEX, 0))
         elif name == names.FINDING_SPAN:

@@ -15,12 +15,14 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from otel_kvcache import names
+from otel_kvcache.commands import prometheus_names
 from otel_kvcache.engine.snapshot_files import Published
 
-ENGINE_LABEL = "vllm_engine_index"
-STATE_LABEL = "vllm_kv_cache_block_state"
-MODEL_LABEL = "gen_ai_request_model"
-SCALE_LABEL = "vllm_kv_cache_pool_scale"
+ENGINE_LABEL = prometheus_names.label(names.ENGINE_INDEX)
+STATE_LABEL = prometheus_names.label(names.BLOCK_STATE)
+MODEL_LABEL = prometheus_names.label(names.MODEL)
+SCALE_LABEL = prometheus_names.label(names.POOL_SCALE)
 SERIES_LABELS = ("__name__", STATE_LABEL, SCALE_LABEL)
 """Labels that tell one engine's series apart, not one engine from another (with the
 instrumentation scope's, ``otel_scope_*``, that exporters add)."""
@@ -29,25 +31,30 @@ instrumentation scope's, ``otel_scope_*``, that exporters add)."""
 def _of_a_series(label: str) -> bool:
     return label in SERIES_LABELS or label.startswith("otel_scope_")
 
-# The Python Prometheus exporter keeps a unit's symbol (`_s_total`), a collector's
+
+def _rate(counter: str) -> str:
+    return f"rate({prometheus_names.metric(counter, counter=True)}[1m])"
+
+
+# Older Python Prometheus exporters kept a unit's symbol (`_s_total`), a collector's
 # exporter spells it out (`_seconds_total`): a name that has a unit is matched either way.
 QUERIES = {
-    "blocks": "vllm_kv_cache_blocks",
-    "limit": "vllm_kv_cache_blocks_limit",
-    "bytes": "vllm_kv_cache_memory_usage_bytes",
-    "hits": "rate(vllm_kv_cache_prefix_cache_hits_total[1m])",
-    "queries": "rate(vllm_kv_cache_prefix_cache_queries_total[1m])",
-    "preemptions": "rate(vllm_kv_cache_preemptions_total[1m])",
-    "evictions": "rate(vllm_kv_cache_evictions_total[1m])",
-    "stalls": "rate(vllm_kv_cache_allocation_stalls_total[1m])",
-    "evicted_age": 'rate({__name__=~"vllm_kv_cache_eviction_age(_s|_seconds)?_total"}[1m])',
-    "orphaned_blocks": "vllm_kv_cache_orphaned_blocks",
-    "zombie_requests": "vllm_kv_cache_zombie_requests",
-    "zombie_blocks": "vllm_kv_cache_zombie_blocks",
-    "stuck_requests": "vllm_kv_cache_stuck_requests",
-    "hit_ratio": "vllm_kv_cache_prefix_cache_projected_hit_ratio",
-    "preemption_free_scale": "vllm_kv_cache_pool_projected_preemption_free_scale",
-    "held": "vllm_kv_cache_held_blocks",
+    "blocks": prometheus_names.metric(names.BLOCKS),
+    "limit": prometheus_names.metric(names.BLOCKS_LIMIT),
+    "bytes": prometheus_names.metric(names.KV_MEMORY_USAGE, unit="By"),
+    "hits": _rate(names.PREFIX_CACHE_HITS),
+    "queries": _rate(names.PREFIX_CACHE_QUERIES),
+    "preemptions": _rate(names.PREEMPTIONS),
+    "evictions": _rate(names.EVICTIONS),
+    "stalls": _rate(names.ALLOCATION_STALLS),
+    "evicted_age": f'rate({{__name__=~"{prometheus_names.metric(names.EVICTION_AGE)}(_s|_seconds)?_total"}}[1m])',
+    "orphaned_blocks": prometheus_names.metric(names.ORPHANED_BLOCKS),
+    "zombie_requests": prometheus_names.metric(names.ZOMBIE_REQUESTS),
+    "zombie_blocks": prometheus_names.metric(names.ZOMBIE_BLOCKS),
+    "stuck_requests": prometheus_names.metric(names.STUCK_REQUESTS),
+    "hit_ratio": prometheus_names.metric(names.PROJECTED_HIT_RATIO),
+    "preemption_free_scale": prometheus_names.metric(names.PROJECTED_PREEMPTION_FREE_SCALE),
+    "held": prometheus_names.metric(names.HELD_BLOCKS),
 }
 
 

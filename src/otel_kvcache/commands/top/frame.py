@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from otel_kvcache import names
+from otel_kvcache.commands import prometheus_names
 from otel_kvcache.engine.snapshot_files import Published
 from otel_kvcache.gpu.nvml import NVMLSource
 
@@ -88,7 +89,7 @@ def _where_to_look(frame: dict[str, Any]) -> str:
             "Engines publish their snapshots when vLLM runs instrumented by otel-kvcache, "
             "as this user, with OTEL_KVCACHE_TOP_SNAPSHOT=on (the default)."
         )
-    return "Prometheus has no vllm_kv_cache_blocks series."
+    return f"Prometheus has no {prometheus_names.metric(names.BLOCKS)} series."
 
 
 def _title(frame: dict[str, Any], view: View) -> Text:

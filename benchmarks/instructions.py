@@ -142,11 +142,11 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
     if instrumented:  # the warm-up's chores, as they would have run by now: the window's are its own
         engine = getattr(driver.scheduler, ENGINE_ATTRIBUTE)
         engine.pool.catch_up()
-        engine.exporter.flush()
+        engine.record_sink.flush()
         written_by = time.monotonic() + 120  # the pipe's thread writes the rest as the helper reads
-        while engine.exporter.unwritten:
+        while engine.record_sink.unwritten:
             if time.monotonic() > written_by:  # it would write during the window, and be counted there
-                raise RuntimeError(f"the warm-up's frame was not written: {engine.exporter.unwritten} bytes left")
+                raise RuntimeError(f"the warm-up's frame was not written: {engine.record_sink.unwritten} bytes left")
             time.sleep(0.05)
         meter_provider.force_flush()  # the what-if curve and the series' counts catch up there
     freeze_gc_heap()
@@ -157,7 +157,7 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
         driver.run(steps)
         if instrumented:  # the chores of the window's steps, due once a second: done once, counted with them
             engine.pool.catch_up()
-            engine.exporter.queue_pending()  # the engine thread's share of the hand-over
+            engine.record_sink.queue_pending()  # the engine thread's share of the hand-over
 
     _counted("window", window)
     print("FINISHED", driver.finished - finished, "TRACKED", gc.get_count()[0] - tracked, flush=True)
@@ -166,7 +166,7 @@ def _child(variant: str, workload_name: str, steps: int) -> None:
         from otel_kvcache.engine.snapshot_files import read_snapshots
 
         publisher = VLLMKVCacheInstrumentor()._publisher
-        _counted("hand-over", engine.exporter.flush)  # what the pipe's thread does with the window's
+        _counted("hand-over", engine.record_sink.flush)  # what the pipe's thread does with the window's
         _counted("metric collection", meter_provider.force_flush)
         _counted("top snapshot", publisher.publish)
         read_snapshots()  # as `otel-kvcache top` reads: the engines publish in full while watched

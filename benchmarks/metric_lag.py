@@ -1,35 +1,41 @@
 """How late the engine's metric collections arrive, idle and while streams decode flat out.
 
     python -m benchmarks.metric_lag [--interval-ms 1000] [--seconds 20] [--streams 4]
-                                    [--env NAME=VALUE ...] [--py-spy PATH]
+                                    [--env NAME=VALUE ...] [--server-arg ARG ...]
 
 Serves the tiny model as the main job does (``demo.server.VLLMServer`` under
-``opentelemetry-instrument``, the main job's attribution settings) with its telemetry
-going to a local OTLP/gRPC receiver (``demo.otlp_sink.OTLPSink``) that notes when each
-metric export arrives and from which process. Three phases: idle, then ``--streams``
-streaming chat completions decoding flat out (each one followed at once by the next),
-then idle again. The SDK's ``PeriodicExportingMetricReader`` waits the interval after
-each export returns, so an export is late by what its gap from the one before exceeds
-the interval; each late second is one of three parts:
+``opentelemetry-instrument``, the main job's attribution settings), its telemetry going
+to a local OTLP/gRPC receiver (``demo.otlp_sink.OTLPSink``, writing OTLP JSON files as
+the main job's does) that notes when each metric export arrives and from which process.
+Four phases: idle; ``--streams`` streaming chat completions decoding flat out (each one
+followed at once by the next) from this process, the receiver's, as the main job loads
+from its own; the same load from a process of its own; idle again.
 
-- wake: from the previous export's arrival to this collection's timestamp, less the
-  interval (the reader's thread waking up and getting the interpreter lock);
-- collect: from the collection's first data point's timestamp to its last (the
-  observable instruments' callbacks, which run one after another between them);
-- export: from the last data point's timestamp to the export's arrival (encoding and
-  sending it over gRPC).
+The SDK's ``PeriodicExportingMetricReader`` waits the interval after each export
+returns, so an export is late by what its gap from the one before exceeds the interval;
+that is split into
 
-The API server's reader is the control: the same SDK in a process without the engine's
-loop. ``--env`` passes variables to the server (e.g. ``OTEL_METRIC_EXPORT_INTERVAL``
-is ``--interval-ms``); ``--py-spy PATH`` runs that py-spy binary's ``dump`` on the
-EngineCore once a second during the load and prints each dump whose reader thread is
-not waiting on its interval (py-spy is not among the project's dependencies).
+- wake: from the previous export's arrival to this collection's first data point (the
+  reader's thread waking up and getting the interpreter lock, and the previous
+  export's answer on its way back);
+- collect: from the first data point's timestamp to the last (the observable
+  instruments' callbacks run between them);
+- export: from the last data point's timestamp to the arrival (encoding, gRPC, and the
+  receiver's process taking the request in).
+
+The control: a process of nothing but the SDK's reader and one gauge, exporting to the
+same receiver at the same interval, which also notes how long each export call took.
+If the engine's exports are no later than the control's, the lag is not the engine's.
+The server's processes' CPU use in each phase is printed with them. ``--env`` and
+``--server-arg`` pass variables and command-line arguments to the server (e.g.
+``--server-arg=--distributed-executor-backend --server-arg=uni``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 from demo.__main__ import ATTRIBUTION_SETTINGS, SERVED_MODEL_NAME
 from demo.load import QUESTIONS, SYSTEM_PROMPT
@@ -184,11 +191,35 @@ def sender_side(calls: list[list[float]], exports: list[Export], start: float, e
     return parts
 
 
-def phase(phases: list, name: str, run, *arguments):
-    """Runs one phase, noting its wall-clock span; returns what ``run`` returned."""
-    started = time.time()
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user and system) each process of the server has used so far, by its name."""
+    used = {}
+    for process in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            name = _process_name(process)
+            used[name] = used.get(name, 0.0) + times.user + times.system
+    return used
+
+
+def _process_name(process: psutil.Process) -> str:
+    command = " ".join(process.cmdline())
+    for marker, name in (("api_server", "api_server"), ("export.helper", "exporter helper"),
+                         ("resource_tracker", "resource tracker")):  # fmt: skip
+        if marker in command:
+            return name
+    title = command.split(maxsplit=1)[0] if command else process.name()
+    return title.removeprefix("VLLM::")  # vLLM titles its EngineCore and Worker processes (setproctitle)
+
+
+def phase(phases: list, name: str, server: VLLMServer, run, *arguments):
+    """Runs one phase, noting its wall-clock span and the server's CPU seconds in it; returns
+    what ``run`` returned."""
+    started, cpu_before = time.time(), cpu_seconds(server.process.pid)
     result = run(*arguments)
-    phases.append((name, started, time.time()))
+    cpu_after = cpu_seconds(server.process.pid)
+    used = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
+    phases.append((name, started, time.time(), used))
     return result
 
 
@@ -239,11 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                                     "--interval-ms", str(args.interval_ms), "--seconds", str(4 * args.seconds + 10),
                                     "--out", str(out / "control.json")])  # fmt: skip
         time.sleep(3 * interval + 2)  # every process's reader has exported at least twice
-        phase(phases, "idle", time.sleep, args.seconds)
-        here = phase(phases, "load, client here", asyncio.run,
+        phase(phases, "idle", server, time.sleep, args.seconds)
+        here = phase(phases, "load, client here", server, asyncio.run,
                      load(server.url, args.streams, args.seconds, args.max_tokens))  # fmt: skip
-        apart = phase(phases, "load, client apart", load_from_another_process, server.url, args)
-        phase(phases, "idle after", time.sleep, args.seconds)
+        apart = phase(phases, "load, client apart", server, load_from_another_process, server.url, args)
+        phase(phases, "idle after", server, time.sleep, args.seconds)
     finally:
         server.stop(settle=0)
         if control is not None:
@@ -253,11 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"interval {args.interval_ms} ms, {args.seconds:.0f} s a phase, {args.streams} streams,"
           f" extra environment {extra or 'none'}, vLLM arguments {args.server_arg or 'none'}; streamed chunks a second: {here / args.seconds:.0f}"
           f" (client in the receiver's process), {apart / args.seconds:.0f} (client in a process of its own)")  # fmt: skip
-    print(f"host load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
+    print(f"host load average (1 min) at the end: {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs")
+    print("\nthe server's processes, CPU seconds a second of each phase:")
+    for name, start, end, used in phases:
+        shares = ", ".join(f"{process} {seconds / (end - start):.2f}" for process, seconds in sorted(used.items()))
+        print(f"  {name:<18} {shares}")
     for (role, pid), exports in sorted(sink.exports.items()):
         exports.sort(key=lambda e: e.arrived)
         print(f"\n{role} (pid {pid}): seconds each export came after the interval")
-        for name, start, end in phases:
+        for name, start, end, _ in phases:
             parts = lateness(exports, interval, start, end)
             print(f"  {name:<18} late     {summary(parts['late'])}")
             for part in ("wake", "collect", "export"):
@@ -265,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = json.loads((out / "control.json").read_text())
     control = next(exports for (role, _), exports in sink.exports.items() if role == "control")
     print("\ncontrol, as its exporter saw each export call: seconds")
-    for name, start, end in phases:
+    for name, start, end, _ in phases:
         parts = sender_side(calls, control, start, end)
         print(f"  {name:<18} {'to handler':<10} {summary(parts['to handler'])}")
         print(f"  {'':<18} {'back':<10} {summary(parts['back'])}")

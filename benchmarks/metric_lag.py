@@ -191,33 +191,25 @@ def sender_side(calls: list[list[float]], exports: list[Export], start: float, e
     return parts
 
 
-def cpu_seconds(root: int) -> dict[str, float]:
-    """CPU seconds (user and system) each process of the server has used so far, by its name."""
-    used = {}
+def cpu_seconds(root: int, roles: dict[int, str]) -> dict[str, float]:
+    """CPU seconds (user and system) the server's processes have used so far, by the role
+    their exports name (``roles``, by pid), else as vLLM's worker and the like."""
+    used: dict[str, float] = {}
     for process in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             times = process.cpu_times()
-            name = _process_name(process)
+            name = roles.get(process.pid, "worker and others")
             used[name] = used.get(name, 0.0) + times.user + times.system
     return used
 
 
-def _process_name(process: psutil.Process) -> str:
-    command = " ".join(process.cmdline())
-    for marker, name in (("api_server", "api_server"), ("export.helper", "exporter helper"),
-                         ("resource_tracker", "resource tracker")):  # fmt: skip
-        if marker in command:
-            return name
-    title = command.split(maxsplit=1)[0] if command else process.name()
-    return title.removeprefix("VLLM::")  # vLLM titles its EngineCore and Worker processes (setproctitle)
-
-
-def phase(phases: list, name: str, server: VLLMServer, run, *arguments):
+def phase(phases: list, name: str, server: VLLMServer, sink: TimedSink, run, *arguments):
     """Runs one phase, noting its wall-clock span and the server's CPU seconds in it; returns
     what ``run`` returned."""
-    started, cpu_before = time.time(), cpu_seconds(server.process.pid)
+    roles = {pid: role for role, pid in sink.exports if "helper" not in role}
+    started, cpu_before = time.time(), cpu_seconds(server.process.pid, roles)
     result = run(*arguments)
-    cpu_after = cpu_seconds(server.process.pid)
+    cpu_after = cpu_seconds(server.process.pid, roles)
     used = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
     phases.append((name, started, time.time(), used))
     return result
@@ -270,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                                     "--interval-ms", str(args.interval_ms), "--seconds", str(4 * args.seconds + 10),
                                     "--out", str(out / "control.json")])  # fmt: skip
         time.sleep(3 * interval + 2)  # every process's reader has exported at least twice
-        phase(phases, "idle", server, time.sleep, args.seconds)
-        here = phase(phases, "load, client here", server, asyncio.run,
+        phase(phases, "idle", server, sink, time.sleep, args.seconds)
+        here = phase(phases, "load, client here", server, sink, asyncio.run,
                      load(server.url, args.streams, args.seconds, args.max_tokens))  # fmt: skip
-        apart = phase(phases, "load, client apart", server, load_from_another_process, server.url, args)
-        phase(phases, "idle after", server, time.sleep, args.seconds)
+        apart = phase(phases, "load, client apart", server, sink, load_from_another_process, server.url, args)
+        phase(phases, "idle after", server, sink, time.sleep, args.seconds)
     finally:
         server.stop(settle=0)
         if control is not None:

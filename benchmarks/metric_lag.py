@@ -29,6 +29,11 @@ If the engine's exports are no later than the control's, the lag is not the engi
 The server's processes' CPU use in each phase is printed with them. ``--env`` and
 ``--server-arg`` pass variables and command-line arguments to the server (e.g.
 ``--server-arg=--distributed-executor-backend --server-arg=uni``).
+
+``--spin-probe`` starts no server: the control alone, its main thread spinning for the
+middle third of ``3 * --seconds`` as vLLM's shared-memory queue waits (``os.sched_yield``),
+then, in a second process, running Python bytecode flat out; it prints how late the
+reader's exports came before, during and after.
 """
 
 from __future__ import annotations
@@ -64,9 +69,10 @@ class Export:
     arrived: float
     """Wall-clock seconds."""
     first_point: float
-    """The earliest data point's timestamp: when the collection began."""
+    """The earliest data point's timestamp: a gauge's point carries when its callback
+    observed it, so about when the collection's callbacks began."""
     last_point: float
-    """The latest data point's timestamp: when the last callback ran."""
+    """The latest: a sum's point carries the time the SDK takes once every callback has run."""
 
 
 class TimedSink(OTLPSink):
@@ -151,9 +157,12 @@ def summary(values: list[float]) -> str:
     return f"median {statistics.median(ordered):6.3f}  p90 {p90:6.3f}  max {ordered[-1]:6.3f}  (n={len(ordered)})"
 
 
-def control_sender(endpoint: str, interval_ms: int, seconds: float, log: Path) -> None:
+def control_sender(endpoint: str, interval_ms: int, seconds: float, log: Path, spin: str | None = None) -> None:
     """A process of nothing but the SDK's periodic reader and one gauge, exporting to the same
-    receiver; it writes to ``log`` when each export call began and returned (wall clock)."""
+    receiver; it writes to ``log`` when each export call began and returned (wall clock).
+    With ``spin``, a thread spins through the middle third of ``seconds``: ``yield`` as
+    vLLM's shared-memory queue waits (``os.sched_yield``, giving up the interpreter lock at
+    every turn), ``python`` running bytecode without a pause; ``log`` says when."""
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     from opentelemetry.metrics import Observation
     from opentelemetry.sdk.metrics import MeterProvider
@@ -174,9 +183,40 @@ def control_sender(endpoint: str, interval_ms: int, seconds: float, log: Path) -
     reader = PeriodicExportingMetricReader(exporter, interval_ms)
     provider = MeterProvider([reader], resource=Resource({names.PROCESS_ROLE: "control", "process.pid": os.getpid()}))
     provider.get_meter("control").create_observable_gauge("control", callbacks=[lambda _: [Observation(1)]])
-    time.sleep(seconds)
+    spun = []
+    if spin:
+        time.sleep(seconds / 3)
+        spun.append(time.time())
+        until = time.monotonic() + seconds / 3
+        while time.monotonic() < until:
+            if spin == "yield":
+                os.sched_yield()
+        spun.append(time.time())
+        time.sleep(seconds / 3)
+    else:
+        time.sleep(seconds)
     provider.shutdown()
-    log.write_text(json.dumps(calls))
+    log.write_text(json.dumps({"calls": calls, "spun": spun}))
+
+
+def spin_probe(interval_ms: int, seconds: float, out: Path) -> None:
+    """The control alone, its main thread spinning as vLLM's shared-memory queue waits, then
+    running Python flat out: how late its reader's exports come while another thread of its
+    process keeps retaking, or holds, the interpreter lock."""
+    for spin in ("yield", "python"):
+        sink = TimedSink(out / f"otlp-{spin}").start()
+        log = out / f"spin-{spin}.json"
+        try:
+            subprocess.run([sys.executable, "-m", "benchmarks.metric_lag", "--control-of", sink.endpoint, "--spin", spin,
+                            "--interval-ms", str(interval_ms), "--seconds", str(3 * seconds), "--out", str(log)],
+                           check=True)  # fmt: skip
+        finally:
+            sink.stop()
+        spun = json.loads(log.read_text())["spun"]
+        exports = sorted(next(iter(sink.exports.values())), key=lambda e: e.arrived)
+        print(f"a thread spinning ({spin}), the reader exporting every {interval_ms} ms: seconds late")
+        for name, start, end in (("before", 0, spun[0]), ("spinning", spun[0], spun[1]), ("after", spun[1], float("inf"))):
+            print(f"  {name:<9} {summary(lateness(exports, interval_ms / 1000, start, end)['late'])}")
 
 
 def sender_side(calls: list[list[float]], exports: list[Export], start: float, end: float) -> dict[str, list[float]]:
@@ -233,9 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where the model and the server's log go (default: a temporary one)")
     parser.add_argument("--client-of", metavar="URL", help=argparse.SUPPRESS)  # the load's own process
     parser.add_argument("--control-of", metavar="ENDPOINT", help=argparse.SUPPRESS)  # the control sender's
+    parser.add_argument("--spin", choices=("yield", "python"), help=argparse.SUPPRESS)  # the control's spinning thread
+    parser.add_argument("--spin-probe", action="store_true",
+                        help="no server: the control alone, beside a thread spinning as vLLM's shared-memory queue waits")
     args = parser.parse_args(argv)
+    if args.spin_probe:
+        spin_probe(args.interval_ms, args.seconds, args.out or Path(tempfile.mkdtemp(prefix="metric-lag-")))
+        return 0
     if args.control_of:
-        control_sender(args.control_of, args.interval_ms, args.seconds, args.out)
+        control_sender(args.control_of, args.interval_ms, args.seconds, args.out, args.spin)
         return 0
     if args.client_of:
         print(asyncio.run(load(args.client_of, args.streams, args.seconds, args.max_tokens)))
@@ -289,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<18} late     {summary(parts['late'])}")
             for part in ("wake", "collect", "export"):
                 print(f"  {'':<18}  {part:<7} {summary(parts[part])}")
-    calls = json.loads((out / "control.json").read_text())
+    calls = json.loads((out / "control.json").read_text())["calls"]
     control = next(exports for (role, _), exports in sink.exports.items() if role == "control")
     print("\ncontrol, as its exporter saw each export call: seconds")
     for name, start, end, _ in phases:

@@ -66,15 +66,6 @@ ATTRIBUTION_SETTINGS = {
     config.ATTRIBUTION: f"{names.MODEL},{TENANT_KEY}",
 }
 """Who holds the KV cache, by model and by the tenant each request's baggage names."""
-COLLECTIONS = {"OTEL_METRIC_EXPORT_INTERVAL": "500"}
-"""Twice the servers' usual rate: on a fast host the short load's chats last about a second,
-and a collection seeing none of their requests hold blocks (one fell in a 20 ms gap between
-two) left the streaming clients, which stay until one does, to end on their own while the
-engine's collections lagged for seconds (CI, 2026-12-05): no holder in the table or chart.
-Every process's collections lag alike while the load takes the host's CPUs (docs/design.md,
-"Metric collections on a busy host"): a shorter interval makes one fall among the chats, it
-does not shorten the lag."""
-
 SETTLE_SECONDS = 2.5
 """With --keep-serving: how long the last exports are given before the results are read
 (as ``VLLMServer.stop`` gives them before it stops the server)."""
@@ -187,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     server = VLLMServer(
         ServerConfig(
             model=model, otlp_endpoint=None if collector else sink.endpoint, num_blocks=args.num_blocks,
-            served_model_name=SERVED_MODEL_NAME, extra_env={**ATTRIBUTION_SETTINGS, **COLLECTIONS},
+            served_model_name=SERVED_MODEL_NAME, extra_env=ATTRIBUTION_SETTINGS,
         ),
         args.out / "vllm-server.log",
     )  # fmt: skip

@@ -151,7 +151,6 @@ def finished_request(ended: RequestEnded | tuple) -> FinishedRequest:
     )
 
 
-
 EVENT_DETAIL = {
     names.EVENT_ADMITTED: names.EVENT_PREFIX_HIT_TOKENS,
     names.EVENT_RESUMED: names.EVENT_PREFIX_HIT_TOKENS,
@@ -175,7 +174,6 @@ def event_attributes(name: str, blocks: int, detail: Any) -> dict[str, Any]:
     attributes = {names.BLOCKS: blocks}
     attributes.update((key, value) for key, value in zip(exported_as, detail) if value is not None)
     return attributes
-
 
 
 class Finding(NamedTuple):

@@ -85,7 +85,7 @@ def test_a_hybrid_models_decisions_are_identical_and_our_failures_counted(model_
         assert busy_run_decisions(model_config, layout) == baseline
         assert telemetry.total(names.INSTRUMENTATION_ERRORS) == 0
         instrumentor.uninstrument()
-        for method in ("_read_peaks", "_entries_freed", "_entries_held"):
+        for method in ("_read_peaks", "_entries_freed", "_entries_cached"):
             monkeypatch.setattr(EngineTelemetry, method, _fail)
         instrumentor = _instrumented(telemetry)
         failing = busy_run_decisions(model_config, layout)

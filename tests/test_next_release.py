@@ -74,13 +74,13 @@ def take_away(monkeypatch):
             [index] = [i for i, point in enumerate(table) if point.qualname == key][:1]
             gone = table[index] = table[index]._replace(method=table[index].method + "_renamed")
             monkeypatch.setattr(hook_points, "HOOK_POINTS", tuple(table))
-            return gone.qualname, gone.core
+            return gone.qualname, bool(gone.why_core)
         table = list(internals.INTERNALS)
         [index] = [i for i, internal in enumerate(table) if internal.key == key]
         gone = table[index] = table[index]._replace(name=table[index].name + "_renamed")
         monkeypatch.setattr(internals, "INTERNALS", tuple(table))
         internals.missing.cache_clear()
-        core = gone.core and (gone.fallback is None or not internals.is_present(gone.fallback))
+        core = bool(gone.why_core) and (gone.fallback is None or not internals.is_present(gone.fallback))
         return gone.qualname, core
 
     yield take

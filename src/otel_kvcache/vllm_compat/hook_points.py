@@ -46,10 +46,6 @@ class HookPoint(NamedTuple):
     """The first release with this hook point, or None (every supported one)."""
 
     @property
-    def core(self) -> bool:
-        return bool(self.why_core)
-
-    @property
     def qualname(self) -> str:
         return f"{self.owner}.{self.method}"
 

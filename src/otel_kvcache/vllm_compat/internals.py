@@ -45,10 +45,6 @@ class Internal(NamedTuple):
     """A second source in vLLM, read where this one is gone (``read_from``)."""
 
     @property
-    def core(self) -> bool:
-        return bool(self.why_core)
-
-    @property
     def qualname(self) -> str:
         if self.kind == "local":
             return f"{self.owner}.{self.where} local {self.name!r}"

@@ -70,18 +70,18 @@ def hook_point_findings(imported_only: bool = False) -> list[Finding]:
             continue
         if not point.applies_to(installed):
             when = f"only before vLLM {point.until}" if point.until else f"only from vLLM {point.since}"
-            findings.append(Finding("hook point", point.qualname, "n/a", when, point.feeds, point.core))
+            findings.append(Finding("hook point", point.qualname, "n/a", when, point.feeds, bool(point.why_core)))
             continue
         status, detail = hook_point_status(point)
-        if point.core and status == "missing":
+        if point.why_core and status == "missing":
             detail = f"{detail}; needed: {point.why_core}"
-        findings.append(Finding("hook point", point.qualname, status, detail, point.feeds, point.core))
+        findings.append(Finding("hook point", point.qualname, status, detail, point.feeds, bool(point.why_core)))
     return findings
 
 
 def connector_hook_points() -> list[Finding]:
     return [
-        Finding("hook point", point.qualname, *hook_point_status(point), point.feeds, point.core)
+        Finding("hook point", point.qualname, *hook_point_status(point), point.feeds, bool(point.why_core))
         for point in hook_points.CONNECTOR_HOOK_POINTS
     ]
 
@@ -96,7 +96,7 @@ def internal_findings() -> list[Finding]:
             status, detail = "found", f"read from {source.qualname}"
         else:
             status, detail = "missing", internal.why_core
-        findings.append(Finding("internal", internal.qualname, status, detail, internal.feeds, internal.core))
+        findings.append(Finding("internal", internal.qualname, status, detail, internal.feeds, bool(internal.why_core)))
     return findings
 
 

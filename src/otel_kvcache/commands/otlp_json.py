@@ -23,6 +23,8 @@ from google.protobuf.message import Message
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from otel_kvcache import names
 
@@ -107,42 +109,54 @@ def attributes(key_values: Iterable[KeyValue]) -> dict[str, Value]:
     return {kv.key: value(kv.value) for kv in key_values}
 
 
-def kv_spans(traces_path: Path) -> list[dict]:
-    """Every ``vllm.kv_cache.request`` span: its trace id, attributes and event names."""
-    spans = []
-    for request in requests(traces_path, ExportTraceServiceRequest):
+def spans(path: Path, count: LineCount | None = None) -> Iterator[tuple[dict[str, Value], str, Span]]:
+    """(resource attributes, scope name, span) for every span in a traces file."""
+    for request in requests(path, ExportTraceServiceRequest, count):
         for resource_spans in request.resource_spans:
+            resource = attributes(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    if span.name == names.KV_REQUEST_SPAN:
-                        spans.append(
-                            {
-                                "trace_id": span.trace_id.hex(),
-                                "start": span.start_time_unix_nano,
-                                "attributes": attributes(span.attributes),
-                                "events": [e.name for e in span.events],
-                            }
-                        )
-    return sorted(spans, key=lambda s: s["start"])
+                    yield resource, scope_spans.scope.name, span
+
+
+def metrics(path: Path, count: LineCount | None = None) -> Iterator[tuple[str, Metric]]:
+    """(scope name, metric) for every metric in a metrics file."""
+    for request in requests(path, ExportMetricsServiceRequest, count):
+        for resource_metrics in request.resource_metrics:
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    yield scope_metrics.scope.name, metric
+
+
+def kv_spans(traces_path: Path) -> list[dict]:
+    """Every ``vllm.kv_cache.request`` span: its trace id, attributes and event names."""
+    found = [
+        {
+            "trace_id": span.trace_id.hex(),
+            "start": span.start_time_unix_nano,
+            "attributes": attributes(span.attributes),
+            "events": [e.name for e in span.events],
+        }
+        for _, _, span in spans(traces_path)
+        if span.name == names.KV_REQUEST_SPAN
+    ]
+    return sorted(found, key=lambda s: s["start"])
 
 
 def metric_points(metrics_path: Path, name: str) -> list[dict]:
     """Data points of one metric, gauge or sum, with their attributes."""
     points = []
-    for request in requests(metrics_path, ExportMetricsServiceRequest):
-        for resource_metrics in request.resource_metrics:
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    if metric.name != name or metric.WhichOneof("data") not in ("gauge", "sum"):
-                        continue
-                    for point in getattr(metric, metric.WhichOneof("data")).data_points:
-                        points.append(
-                            {
-                                "time": point.time_unix_nano,
-                                "value": float(number(point) or 0),
-                                "attributes": attributes(point.attributes),
-                            }
-                        )
+    for _, metric in metrics(metrics_path):
+        if metric.name != name or metric.WhichOneof("data") not in ("gauge", "sum"):
+            continue
+        for point in getattr(metric, metric.WhichOneof("data")).data_points:
+            points.append(
+                {
+                    "time": point.time_unix_nano,
+                    "value": float(number(point) or 0),
+                    "attributes": attributes(point.attributes),
+                }
+            )
     return points
 
 
@@ -165,12 +179,9 @@ def latest_per_engine(points: list[dict]) -> dict:
 
 def span_events(traces_path: Path, event_names: set[str]) -> list[tuple[str, dict]]:
     """(event name, event attributes) of the named events, on any span."""
-    found = []
-    for request in requests(traces_path, ExportTraceServiceRequest):
-        for resource_spans in request.resource_spans:
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    for event in span.events:
-                        if event.name in event_names:
-                            found.append((event.name, attributes(event.attributes)))
-    return found
+    return [
+        (event.name, attributes(event.attributes))
+        for _, _, span in spans(traces_path)
+        for event in span.events
+        if event.name in event_names
+    ]

@@ -1,4 +1,4 @@
-"""OTLP JSON lines read one export request at a time, as flat records.
+"""OTLP JSON metrics read one export request at a time, as flat records (spans: ``otlp_json.spans``).
 
 A report may be built from a collector's file exporter after a long load test,
 with files of gigabytes: nothing here keeps more than the line being read.
@@ -14,22 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_DELTA
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from otel_kvcache.commands.otlp_json import LineCount, attributes, number, requests
-
-
-def spans(path: Path, count: LineCount) -> Iterator[tuple[dict, str, Span]]:
-    """(resource attributes, scope name, span) for every span in a traces file."""
-    for request in requests(path, ExportTraceServiceRequest, count):
-        for resource_spans in request.resource_spans:
-            resource = attributes(resource_spans.resource.attributes)
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    yield resource, scope_spans.scope.name, span
+from otel_kvcache.commands.otlp_json import LineCount, attributes, metrics, number
 
 
 @dataclass
@@ -48,25 +35,22 @@ class Point:
 
 def points(path: Path, count: LineCount) -> Iterator[Point]:
     """Every gauge and sum data point in a metrics file (histograms are left out)."""
-    for request in requests(path, ExportMetricsServiceRequest, count):
-        for resource_metrics in request.resource_metrics:
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    kind = metric.WhichOneof("data")
-                    if kind not in ("gauge", "sum"):
-                        continue
-                    data = getattr(metric, kind)
-                    delta = kind == "sum" and data.aggregation_temporality == AGGREGATION_TEMPORALITY_DELTA
-                    for point in data.data_points:
-                        value = number(point)
-                        if value is None:
-                            continue
-                        yield Point(
-                            metric=metric.name,
-                            scope=scope_metrics.scope.name,
-                            time=point.time_unix_nano,
-                            start=point.start_time_unix_nano,
-                            value=float(value),
-                            attributes=attributes(point.attributes),
-                            delta=delta,
-                        )
+    for scope, metric in metrics(path, count):
+        kind = metric.WhichOneof("data")
+        if kind not in ("gauge", "sum"):
+            continue
+        data = getattr(metric, kind)
+        delta = kind == "sum" and data.aggregation_temporality == AGGREGATION_TEMPORALITY_DELTA
+        for point in data.data_points:
+            value = number(point)
+            if value is None:
+                continue
+            yield Point(
+                metric=metric.name,
+                scope=scope,
+                time=point.time_unix_nano,
+                start=point.start_time_unix_nano,
+                value=float(value),
+                attributes=attributes(point.attributes),
+                delta=delta,
+            )

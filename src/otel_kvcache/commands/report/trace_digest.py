@@ -19,9 +19,8 @@ from pathlib import Path
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from otel_kvcache import names
-from otel_kvcache.commands.otlp_json import LineCount, attributes
+from otel_kvcache.commands.otlp_json import LineCount, attributes, spans
 from otel_kvcache.commands.report.buckets import TimeBuckets, TimeRange
-from otel_kvcache.commands.report.otlp_stream import spans
 from otel_kvcache.commands.report.sample import RowSample
 
 FINDINGS = (names.EVENT_LEAK, names.EVENT_ZOMBIE)

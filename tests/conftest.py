@@ -100,6 +100,50 @@ def export_through_a_helper(monkeypatch, endpoint: str, **variables: str) -> Non
         monkeypatch.setenv(variable, value)
 
 
+def prometheus_scrape_of_a_run(make_engine, telemetry) -> tuple[str, list]:
+    """(the OpenTelemetry Prometheus exporter's text, the same collection's OpenTelemetry
+    metrics) of real engines: requests sharing a prefix in a pool that preempts, a session's
+    second turn, KV transfers on a second engine, the GPU view on its fakes, and a request
+    holding blocks as it is scraped."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine_harness import KVTransfers, nixl_both
+    from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings
+    from otel_kvcache.gpu import VLLMGPUInstrumentor
+
+    registry, in_memory = CollectorRegistry(), InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry), in_memory])
+    VLLMKVCacheInstrumentor().uninstrument()
+    VLLMKVCacheInstrumentor().instrument(tracer_provider=telemetry.tracer_provider, meter_provider=provider)
+    gpu, readings = VLLMGPUInstrumentor(), load_readings()
+    gpu.instrument(meter_provider=provider, nvml=FakeNVML(readings["nvml"]), torch_cuda=FakeTorchCuda(readings["torch"]))
+    try:
+        engine = make_engine(num_blocks=24)
+        for i in range(4):
+            engine.add(engine.make_request(f"r{i}", prompt_len=60, shared_prefix=32, max_tokens=40,
+                                           session_id=f"session-{i}"))  # fmt: skip
+        engine.run()
+        engine.add(engine.make_request("r0-turn-2", prompt_len=60, session_id="session-0"))  # the session's gap
+        engine.run()
+        transfers = KVTransfers(make_engine(num_blocks=48, data_parallel_rank=1, kv_transfer_config=nixl_both()))
+        for _ in range(8):
+            transfers.add()
+        transfers.run()
+        engine.add(engine.make_request("running", prompt_len=60))  # someone holds blocks as it is scraped
+        engine.step()
+        text = generate_latest(registry).decode()
+        data = in_memory.get_metrics_data()
+    finally:
+        gpu.uninstrument()
+        VLLMKVCacheInstrumentor().uninstrument()
+        provider.shutdown()
+        VLLMKVCacheInstrumentor().instrument(
+            tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider
+        )
+    return text, [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The tiny random-weight llama the end-to-end tests serve (made here, never downloaded)."""

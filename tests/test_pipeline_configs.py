@@ -12,15 +12,10 @@ import pytest
 import yaml
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.sdk.metrics import MeterProvider
-from prometheus_client import REGISTRY, generate_latest
 
 from otel_kvcache import names
-from otel_kvcache.gpu import VLLMGPUInstrumentor
 
-from engine_harness import KVTransfers, nixl_both
-from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings
+from conftest import prometheus_scrape_of_a_run
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "vllm-kv-cache.json"
@@ -56,37 +51,7 @@ def promql_identifiers(query: str) -> tuple[set[str], set[str]]:
 
 def test_every_dashboard_metric_and_label_is_one_the_package_exports(make_engine, telemetry):
     """Names through the real OpenTelemetry Prometheus exporter, from a real engine run."""
-    reader = PrometheusMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    from otel_kvcache import VLLMKVCacheInstrumentor
-
-    VLLMKVCacheInstrumentor().uninstrument()
-    VLLMKVCacheInstrumentor().instrument(tracer_provider=telemetry.tracer_provider, meter_provider=provider)
-    gpu = VLLMGPUInstrumentor()
-    readings = load_readings()
-    gpu.instrument(meter_provider=provider, nvml=FakeNVML(readings["nvml"]), torch_cuda=FakeTorchCuda(readings["torch"]))
-    try:
-        engine = make_engine(num_blocks=24)
-        for i in range(4):
-            engine.add(engine.make_request(f"r{i}", prompt_len=60, shared_prefix=32, max_tokens=40,
-                                           session_id=f"session-{i}"))  # fmt: skip
-        engine.run()
-        engine.add(engine.make_request("r0-turn-2", prompt_len=60, session_id="session-0"))  # the session's gap
-        engine.run()
-        transfers = KVTransfers(make_engine(num_blocks=48, data_parallel_rank=1, kv_transfer_config=nixl_both()))
-        for _ in range(8):
-            transfers.add()
-        transfers.run()
-        engine.add(engine.make_request("running", prompt_len=60))  # someone holds blocks as it is scraped
-        engine.step()
-        exposition = generate_latest(REGISTRY).decode()
-    finally:
-        gpu.uninstrument()
-        VLLMKVCacheInstrumentor().uninstrument()
-        provider.shutdown()  # takes the reader's collector out of the registry
-        VLLMKVCacheInstrumentor().instrument(
-            tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider
-        )
+    exposition, _ = prometheus_scrape_of_a_run(make_engine, telemetry)
     exported = {line.split("{")[0].split(" ")[0] for line in exposition.splitlines() if line and line[0] != "#"}
     exported |= {name.removesuffix("_bucket") for name in exported}
     attribute_labels = {re.sub(r"[^a-zA-Z0-9_]", "_", v) for k, v in vars(names).items() if isinstance(v, str)}

@@ -5,52 +5,18 @@ from __future__ import annotations
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import AggregationTemporality, Histogram, InMemoryMetricReader, Sum
+from opentelemetry.sdk.metrics.export import AggregationTemporality, Histogram, Sum
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from otel_kvcache import VLLMKVCacheInstrumentor, names
+from otel_kvcache import names
 from otel_kvcache.commands import gate, prometheus_names
-from otel_kvcache.gpu import VLLMGPUInstrumentor
 
-from engine_harness import KVTransfers, nixl_both
-from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings
-
-
-def _exposition_of_a_run(make_engine, telemetry) -> tuple[str, list]:
-    """(the Prometheus exporter's text, the same collection's OpenTelemetry metrics) of a real engine run."""
-    registry, in_memory = CollectorRegistry(), InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry), in_memory])
-    VLLMKVCacheInstrumentor().uninstrument()
-    VLLMKVCacheInstrumentor().instrument(tracer_provider=telemetry.tracer_provider, meter_provider=provider)
-    gpu, readings = VLLMGPUInstrumentor(), load_readings()
-    gpu.instrument(meter_provider=provider, nvml=FakeNVML(readings["nvml"]), torch_cuda=FakeTorchCuda(readings["torch"]))
-    try:
-        engine = make_engine(num_blocks=24)
-        for i in range(4):
-            engine.add(engine.make_request(f"r{i}", prompt_len=60, shared_prefix=32, max_tokens=40))
-        engine.run()
-        transfers = KVTransfers(make_engine(num_blocks=48, data_parallel_rank=1, kv_transfer_config=nixl_both()))
-        for _ in range(4):
-            transfers.add()
-        transfers.run()
-        engine.add(engine.make_request("running", prompt_len=60))  # someone holds blocks as it is scraped
-        engine.step()
-        text = generate_latest(registry).decode()
-        data = in_memory.get_metrics_data()
-    finally:
-        gpu.uninstrument()
-        VLLMKVCacheInstrumentor().uninstrument()
-        provider.shutdown()
-        VLLMKVCacheInstrumentor().instrument(
-            tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider
-        )
-    metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
-    return text, metrics
+from conftest import prometheus_scrape_of_a_run
 
 
 def test_the_derived_names_are_those_the_real_exporter_writes(make_engine, telemetry):
-    text, metrics = _exposition_of_a_run(make_engine, telemetry)
+    text, metrics = prometheus_scrape_of_a_run(make_engine, telemetry)
     samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     exported = {s.name for s in samples}
     labels = {label for s in samples for label in s.labels}

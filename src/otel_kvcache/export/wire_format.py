@@ -54,7 +54,7 @@ def frame(ended_fields: list, findings: list[tuple], prefix_events: PrefixEvents
     marshal cannot write is written again with its trace headers as plain strings, or else
     left out, not the frame."""
     written, unwritable, prefix_error = len(ended_fields) // RECORD_FIELDS, 0, None
-    parts = []
+    parts = [b""]  # the header, once the body's length is known
     if prefix_events is not None:
         try:
             parts.append(marshal.dumps(prefix_events._asdict(), MARSHAL_VERSION))
@@ -71,8 +71,8 @@ def frame(ended_fields: list, findings: list[tuple], prefix_events: PrefixEvents
             except ValueError:
                 unwritable += 1
     parts.extend(map(marshal.dumps, findings, repeat(MARSHAL_VERSION)))
-    body = b"".join(parts)
-    return Frame(FRAME_HEADER.pack(len(body)) + body, written - unwritable + len(findings), unwritable, prefix_error)
+    parts[0] = FRAME_HEADER.pack(sum(map(len, parts)))
+    return Frame(b"".join(parts), written - unwritable + len(findings), unwritable, prefix_error)
 
 
 def records_in(ended_fields: list, findings: list) -> int:

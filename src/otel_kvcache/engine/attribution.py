@@ -37,10 +37,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from otel_kvcache import config, names
-from otel_kvcache.engine.shares import fair_share
 from otel_kvcache.handover.tally import PACKED, Tally, occupancy_until, released_occupancy
 from otel_kvcache.trace_context import baggage_entries
-from otel_kvcache.vllm_compat.blocks import blocks_by_request
+from otel_kvcache.vllm_compat.blocks import blocks_by_request, reference_counts
 from otel_kvcache.vllm_compat.readers import model_name_reader, priority_reader, served_model_name, trace_headers_reader
 
 OVERFLOW = object()
@@ -52,6 +51,19 @@ MOST_ENDED = 1 << 16
 """Released requests waiting to join their series' count before the engine thread folds
 them in itself, where nothing collects for long: their tallies' bytes, about 300 each."""
 _ENDED_FIELDS = 4  # a released request's tally, model, priority and trace headers (``request_ended``)
+
+
+def fair_share(blocks: Any, may_hold_null: bool = True) -> float:
+    """A request's blocks, each counted 1 / its reference count (``ref_cnt``: how many
+    block lists hold it), vLLM's null block left out. Most blocks have one holder: they
+    are counted in one C call (``list.count``), the shared ones one by one: run over every
+    held block at each collection, it costs less than a division per block even with a
+    fifth of them shared (``docs/overhead.md#attribution``)."""
+    references = reference_counts(blocks, may_hold_null)
+    alone = references.count(1)
+    if alone == len(references):
+        return float(alone)
+    return alone + sum(1 / count for count in references if count > 1)
 
 
 class SessionTable:

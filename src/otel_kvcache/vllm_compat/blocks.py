@@ -2,7 +2,7 @@
 lists, the null block (a placeholder no request holds) and the blocks' references.
 
 Where a release lacks an attribute (``internals``), what vLLM offers instead is read.
-A request's fair share of them is the engine's arithmetic (``engine/shares.py``).
+A request's fair share of them is the engine's arithmetic (``engine/attribution.fair_share``).
 """
 
 from __future__ import annotations

@@ -18,15 +18,14 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from otel_kvcache import names
 from otel_kvcache.commands import prometheus_names
 from otel_kvcache.commands.command_line import CommandLine, existing_directory, http_url
 from otel_kvcache.commands.otlp_json import latest_per_engine, metric_points, span_events
-
-if TYPE_CHECKING:
-    from prometheus_client.samples import Sample
 
 CHECKED = (names.ORPHANED_BLOCKS, names.ZOMBIE_REQUESTS, names.TAIL_SLACK_RATIO)
 
@@ -51,8 +50,6 @@ def readings_from_otlp(directory: Path) -> dict[str, dict]:
 
 def prometheus_samples(text: str) -> Iterator[Sample]:
     """Every sample of a Prometheus text exposition, its label values unescaped."""
-    from prometheus_client.parser import text_string_to_metric_families  # vLLM depends on it; --otlp-dir does not
-
     for family in text_string_to_metric_families(text):
         yield from family.samples
 

@@ -46,10 +46,10 @@ CHILD_PROGRAM = textwrap.dedent(
         for i in range(3):
             engine.add(engine.make_request(f"in-child-{{i}}", prompt_len=60, max_tokens=6))
         engine.run()
-        tracer_provider.force_flush()
-        meter_provider.force_flush()
-        print("child", os.getpid(), flush=True)
-        os._exit(0)
+        # Time for the exporters' retries on a loaded host (their default flush waits 10 to 30 s).
+        flushed = tracer_provider.force_flush(60_000), meter_provider.force_flush(60_000)
+        print("child", os.getpid(), "flushed spans and metrics:", flushed, flush=True)
+        os._exit(0 if all(flushed) else 1)
     _, status = os.waitpid(pid, 0)
     tracer_provider.shutdown()
     meter_provider.shutdown()
@@ -68,16 +68,18 @@ def test_spans_and_metrics_from_a_forked_child_are_exported():
         # support is on (as the README says for vLLM processes that fork).
         env.update(GRPC_ENABLE_FORK_SUPPORT="true", GRPC_POLL_STRATEGY="poll")
         result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
-        assert result.returncode == 0, result.stderr[-3000:]
+        # The programs' output, in every failure's message: what the child's exporters said.
+        output = f"stdout: {result.stdout[-1500:]}\nstderr: {result.stderr[-3000:]}"
+        assert result.returncode == 0, output
         request_ids = {
             attributes_of(span.attributes)[names.REQUEST_ID]
             for _, span in sink.spans()
             if span.name == names.KV_REQUEST_SPAN
         }
-        assert {"in-child-0", "in-child-1", "in-child-2", "before-fork"} <= request_ids
+        assert {"in-child-0", "in-child-1", "in-child-2", "before-fork"} <= request_ids, f"{request_ids}\n{output}"
         # The child's counters carry on from the parent's: 50 prompt tokens before the fork, 3 x 60 after.
         queries = {p.as_int for _, m in sink.metrics(names.PREFIX_CACHE_QUERIES) for p in m.sum.data_points}
-        assert 50 + 3 * 60 in queries
+        assert 50 + 3 * 60 in queries, f"{queries}\n{output}"
     finally:
         sink.stop()
 

@@ -153,7 +153,7 @@ def test_a_hot_wrapper_forwards_arguments_as_given_and_tracebacks_show_its_sourc
     import traceback
 
     from otel_kvcache.errors import InstrumentationErrors
-    from otel_kvcache.wiring.patch import ENGINE_ATTRIBUTE, _after_call, _around
+    from otel_kvcache.wiring.patch import ENGINE_ATTRIBUTE, _after, _around
 
     def original(self, a, /, b, *args, c, d=4, **kwargs):
         if a == "fail":
@@ -166,7 +166,7 @@ def test_a_hot_wrapper_forwards_arguments_as_given_and_tracebacks_show_its_sourc
     reader = InMemoryMetricReader()
     errors = InstrumentationErrors(MeterProvider(metric_readers=[reader]).get_meter("t").create_counter("errors"))
     seen = []
-    method = _after_call("hook", errors, lambda engine, *args, **kwargs: seen.append((engine, args, kwargs)))(original)
+    method = _after("hook", errors, lambda engine, *args, **kwargs: seen.append((engine, args, kwargs)))(original)
     instrumented = type("Owner", (), {ENGINE_ATTRIBUTE: "engine"})()
     assert method(instrumented, 1, 2, 3, c=5, e=6) == (1, 2, (3,), 5, 4, {"e": 6})
     assert method(instrumented, 1, b=2, c=3, d=7) == (1, 2, (), 3, 7, {})
@@ -206,6 +206,6 @@ def test_every_hot_wrapper_reads_the_engine_by_its_attribute_name():
     def original(self, request):
         return request
 
-    for factory in (patch._after_call, patch._after_first, patch._after_result, patch._tracking_pool):
+    for factory in (patch._after, patch._tracking_pool):
         assert patch.ENGINE_ATTRIBUTE in factory("hook", None, print)(original).__code__.co_names
     assert patch.ENGINE_ATTRIBUTE in patch._around("hook", None, print, print)(original).__code__.co_names

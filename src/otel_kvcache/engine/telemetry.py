@@ -264,8 +264,9 @@ class EngineTelemetry:
         if self.connectors is not None:
             self.connectors.forget_departed(live)
 
-    def on_admission_attempt(self, request: Any) -> None:
-        """After ``_get_local_prefix_cache_hit``: the step's latest admission attempt."""
+    def on_admission_attempt(self, request: Any, *_later: Any, **_named: Any) -> None:
+        """After ``_get_local_prefix_cache_hit``: the step's latest admission attempt (its
+        later parameters vary between vLLM releases, and none is ours)."""
         self.last_attempt = request
         if self._watch_allocation is not None:
             self._schedule_frame = self._watch_allocation()

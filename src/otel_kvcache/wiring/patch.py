@@ -67,132 +67,105 @@ handler. A class-level default of None would spare those calls the exception."""
 
 RecordSinkFactory = Callable[[], RecordSink]
 """Returns where a new engine hands its released requests (``handover.record.RecordSink``)."""
-MethodBuilder = Callable[[Callable[..., Any]], Callable[..., Any]]
+Method = Callable[..., Any]
+"""vLLM's method, or ours in its place."""
+MethodBuilder = Callable[[Method], Method]
 EngineMethod = Callable[..., Any]
 """An ``EngineTelemetry`` function, called with the engine first."""
 
 
-def _after_call(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
-    """After vLLM's call, ``on_call(engine, <vLLM's arguments>)``."""
+def _method_builder(make_method: Callable[..., Callable[..., Any]]) -> Callable[..., MethodBuilder]:
+    """``make_method(original, *setup)``, a closure calling ``original``, made a factory:
+    ``factory(*setup)`` is a ``MethodBuilder``, and the method it builds is the closure
+    compiled again with ``original``'s parameters (``signatures.method_like``)."""
 
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            try:
-                engine = self._otel_kvcache_engine  # ENGINE_ATTRIBUTE, as a name CPython specializes
-            except AttributeError:  # built before instrument()
-                return result
-            if engine is None:  # a scheduler left uninstrumented
-                return result
-            try:
+    @functools.wraps(make_method)
+    def factory(*setup: Any, **named_setup: Any) -> MethodBuilder:
+        return lambda original: method_like(original, make_method(original, *setup, **named_setup))
+
+    return factory
+
+
+@_method_builder
+def _after(
+    original: Method,
+    hook: str,
+    errors: InstrumentationErrors,
+    on_call: EngineMethod,
+    *,
+    given_result: bool = False,
+) -> Method:
+    """After vLLM's call, ``on_call(engine, <vLLM's arguments>)``, or with ``given_result``,
+    ``on_call(engine, <vLLM's result>)``."""
+
+    def method(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            engine = self._otel_kvcache_engine  # ENGINE_ATTRIBUTE, as a name CPython specializes
+        except AttributeError:  # built before instrument()
+            return result
+        if engine is None:  # a scheduler left uninstrumented
+            return result
+        try:
+            if given_result:
+                on_call(engine, result)
+            else:
                 on_call(engine, *args, **kwargs)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-            return result
+        except Exception as exc:  # ours, never vLLM's
+            errors.count(hook, exc)
+        return result
 
-        return method_like(original, method)
-
-    return build
+    return method
 
 
-def _after_first(hook: str, errors: InstrumentationErrors, on_call: EngineMethod) -> MethodBuilder:
-    """After vLLM's call, ``on_call(engine, <vLLM's first argument>)``: for a method whose
-    later parameters vary between vLLM releases and are none of ours."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
-                return result
-            if engine is None:
-                return result
-            try:
-                on_call(engine, args[0])
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-            return result
-
-        return method_like(original, method)
-
-    return build
-
-
-def _after_result(hook: str, errors: InstrumentationErrors, on_result: EngineMethod) -> MethodBuilder:
-    """After vLLM's call, ``on_result(engine, <vLLM's result>)``."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
-                return result
-            if engine is None:
-                return result
-            try:
-                on_result(engine, result)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-            return result
-
-        return method_like(original, method)
-
-    return build
-
-
-def _tracking_pool(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
+@_method_builder
+def _tracking_pool(original: Method, hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> Method:
     """Block-pool and free-queue hooks, with nothing to do after vLLM's call:
     ``before(engine.pool, <vLLM's arguments>)``, a ``PoolTracker`` method."""
 
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
+    def method(self, *args, **kwargs):
+        try:
+            pool = self._otel_kvcache_engine.pool
+        except AttributeError:  # built before instrument(), or its engine left uninstrumented (None)
+            pool = None
+        if pool is not None:
             try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
-                engine = None
-            if engine is None:  # vLLM's call outside the handler: its exceptions chain no error of ours
-                return original(self, *args, **kwargs)
-            try:
-                before(engine.pool, *args, **kwargs)
+                before(pool, *args, **kwargs)
             except Exception as exc:  # ours, never vLLM's
                 errors.count(hook, exc)
-            return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)  # outside the handlers: vLLM's exceptions chain none of ours
 
-        return method_like(original, method)
-
-    return build
+    return method
 
 
-def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, after: EngineMethod) -> MethodBuilder:
+@_method_builder
+def _around(
+    original: Method, hook: str, errors: InstrumentationErrors, before: EngineMethod, after: EngineMethod
+) -> Method:
     """``state = before(engine, request)`` and ``after(engine, request, state)`` around
     vLLM's call, given vLLM's request (the argument after the instance)."""
 
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            try:
-                engine = self._otel_kvcache_engine
-            except AttributeError:
-                engine = None
-            if engine is None:
-                return original(self, *args, **kwargs)
-            try:
-                first_argument = args[0]
-                state = before(engine, first_argument)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-                return original(self, *args, **kwargs)
-            result = original(self, *args, **kwargs)
-            try:
-                after(engine, first_argument, state)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-            return result
+    def method(self, *args, **kwargs):
+        try:
+            engine = self._otel_kvcache_engine
+        except AttributeError:
+            engine = None
+        if engine is None:
+            return original(self, *args, **kwargs)
+        try:
+            first_argument = args[0]
+            state = before(engine, first_argument)
+        except Exception as exc:  # ours, never vLLM's
+            errors.count(hook, exc)
+            return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        try:
+            after(engine, first_argument, state)
+        except Exception as exc:  # ours, never vLLM's
+            errors.count(hook, exc)
+        return result
 
-        return method_like(original, method)
-
-    return build
+    return method
 
 
 # --- per engine: the KV connector's hook points -------------------------------------
@@ -204,80 +177,67 @@ def _around(hook: str, errors: InstrumentationErrors, before: EngineMethod, afte
 # the class later reaches engines started after it.
 
 
-def _bound_before(hook: str, errors: InstrumentationErrors, before: Callable[..., None]) -> MethodBuilder:
-    """``before(<vLLM's arguments>)``, then vLLM's call."""
-
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            try:
-                before(*args, **kwargs)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-            return original(self, *args, **kwargs)
-
-        return method_like(original, method)
-
-    return build
-
-
+@_method_builder
 def _bound_around(
-    hook: str, errors: InstrumentationErrors, before: Callable[..., Any], after: Callable[[Any], None]
-) -> MethodBuilder:
-    """``state = before(<vLLM's arguments>)``, vLLM's call, then ``after(state)`` unless state is None."""
+    original: Method,
+    hook: str,
+    errors: InstrumentationErrors,
+    before: Callable[..., Any],
+    after: Callable[[Any], None] | None = None,
+) -> Method:
+    """``state = before(<vLLM's arguments>)``, vLLM's call, then ``after(state)`` where
+    there is an ``after`` and the state is not None."""
 
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
+    def method(self, *args, **kwargs):
+        try:
+            state = before(*args, **kwargs)
+        except Exception as exc:  # ours, never vLLM's
+            errors.count(hook, exc)
+            state = None
+        result = original(self, *args, **kwargs)
+        if after is not None and state is not None:
             try:
-                state = before(*args, **kwargs)
+                after(state)
             except Exception as exc:  # ours, never vLLM's
                 errors.count(hook, exc)
-                state = None
-            result = original(self, *args, **kwargs)
-            if state is not None:
-                try:
-                    after(state)
-                except Exception as exc:  # ours, never vLLM's
-                    errors.count(hook, exc)
-            return result
+        return result
 
-        return method_like(original, method)
-
-    return build
+    return method
 
 
-def _bound_after_first(hook: str, errors: InstrumentationErrors, after: Callable[[Any], None]) -> MethodBuilder:
+@_method_builder
+def _bound_after_first(
+    original: Method, hook: str, errors: InstrumentationErrors, after: Callable[[Any], None]
+) -> Method:
     """vLLM's call, then ``after(<vLLM's first argument>)``."""
 
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            try:
-                after(args[0])
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-            return result
+    def method(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            after(args[0])
+        except Exception as exc:  # ours, never vLLM's
+            errors.count(hook, exc)
+        return result
 
-        return method_like(original, method)
-
-    return build
+    return method
 
 
-def _bound_result(hook: str, errors: InstrumentationErrors, on_result: Callable[[Any, Any], Any]) -> MethodBuilder:
+@_method_builder
+def _bound_result(
+    original: Method, hook: str, errors: InstrumentationErrors, on_result: Callable[[Any, Any], Any]
+) -> Method:
     """vLLM's call, then ``on_result(<vLLM's first argument>, result)``, which returns the
     result vLLM gets (vLLM's own when ours fails)."""
 
-    def build(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            try:
-                return on_result(args[0], result)
-            except Exception as exc:  # ours, never vLLM's
-                errors.count(hook, exc)
-                return result
+    def method(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            return on_result(args[0], result)
+        except Exception as exc:  # ours, never vLLM's
+            errors.count(hook, exc)
+            return result
 
-        return method_like(original, method)
-
-    return build
+    return method
 
 
 def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors: InstrumentationErrors) -> None:
@@ -287,7 +247,7 @@ def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors
     builders = {
         "connector_output": lambda hook: _bound_around(hook, errors, connectors.before_output, connectors.after_output),
         "finished": lambda hook: _bound_after_first(hook, errors, connectors.on_finished),
-        "connector_allocated": lambda hook: _bound_before(hook, errors, connectors.on_allocated),
+        "connector_allocated": lambda hook: _bound_around(hook, errors, connectors.on_allocated),
         "connector_finished": lambda hook: _bound_result(hook, errors, connectors.on_request_finished),
     }
     connector = kv_connector(scheduler)
@@ -375,15 +335,15 @@ def build_wrappers(
         "scheduler_init": lambda hook: scheduler_init_wrapper(hook, record_sink_for, instruments, errors, publisher),
         "preempt": lambda hook: _around(hook, errors, Engine.before_preempt, Engine.on_preempted),
         "release": lambda hook: _around(hook, errors, Engine.before_release, Engine.on_released),
-        "scheduled": lambda hook: _after_result(hook, errors, Engine.on_scheduled),
-        "admission_attempt": lambda hook: _after_first(hook, errors, Engine.on_admission_attempt),
-        "prefix_lookup": lambda hook: _after_call(hook, errors, Engine.on_prefix_cache_lookup),
+        "scheduled": lambda hook: _after(hook, errors, Engine.on_scheduled, given_result=True),
+        "admission_attempt": lambda hook: _after(hook, errors, Engine.on_admission_attempt),
+        "prefix_lookup": lambda hook: _after(hook, errors, Engine.on_prefix_cache_lookup),
         "evict_blocks": lambda hook: _tracking_pool(hook, errors, Pool.before_evicting),
         "queue_prepend": lambda hook: _tracking_pool(hook, errors, Pool.before_prepending),
         "queue_append": lambda hook: _tracking_pool(hook, errors, Pool.on_appending),
         "touch": lambda hook: _tracking_pool(hook, errors, Pool.on_touching),
         "unpin": lambda hook: _tracking_pool(hook, errors, Pool.before_unpinning),
-        "reset_prefix_cache": lambda hook: _after_result(hook, errors, Engine.on_prefix_cache_reset),
+        "reset_prefix_cache": lambda hook: _after(hook, errors, Engine.on_prefix_cache_reset, given_result=True),
         "remember_trace_headers": lambda hook: remember_trace_headers_wrapper(),
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
         "recover_trace_headers": lambda hook: recover_trace_headers_wrapper(hook, errors),

@@ -254,6 +254,62 @@ KV_MEMORY_USAGE: Final = "vllm.kv_cache.memory.usage"
 KV_MEMORY_LIMIT: Final = "vllm.kv_cache.memory.limit"
 """Observable gauge, ``By``: bytes of the usable KV pool."""
 
+# --- Leaks and waste (the reconciler, the pool's evictions) ------------------------
+
+ORPHANED_BLOCKS: Final = "vllm.kv_cache.orphaned_blocks"
+"""Observable gauge, ``{block}``: block references no live request or deferred free accounts for."""
+ZOMBIE_REQUESTS: Final = "vllm.kv_cache.zombie_requests"
+"""Observable gauge, ``{request}``: finished or vanished requests still holding blocks past the grace period."""
+ZOMBIE_BLOCKS: Final = "vllm.kv_cache.zombie_blocks"
+"""Observable gauge, ``{block}``: blocks those zombie requests hold."""
+STUCK_REQUESTS: Final = "vllm.kv_cache.stuck_requests"
+"""Observable gauge, ``{request}``: running requests with no progress for many steps."""
+TAIL_SLACK: Final = "vllm.kv_cache.tail_slack"
+"""Observable gauge, ``{token}``: token slots allocated to running requests but not yet filled."""
+TAIL_SLACK_RATIO: Final = "vllm.kv_cache.tail_slack.ratio"
+"""Observable gauge, ``1``: tail slack over the token slots of the used blocks."""
+CACHED_BLOCKS_HIT_AGAIN: Final = "vllm.kv_cache.cached_blocks.hit_again"
+"""Observable gauge, ``{block}``: evictable cached blocks that a prefix hit reused since they were cached."""
+EVICTION_AGE: Final = "vllm.kv_cache.eviction.age"
+"""Observable counter, ``s``: summed age (time since it was cached) of every evicted block;
+divided by ``vllm.kv_cache.evictions``, the mean age at eviction."""
+EVICTION_AGE_MAX: Final = "vllm.kv_cache.eviction.age.max"
+"""Observable gauge, ``s``: the oldest block evicted since the previous collection."""
+COMPUTED_TOKENS: Final = "vllm.kv_cache.computed_tokens"
+"""Observable counter, ``{token}``: tokens finished requests computed, recomputations included."""
+
+# --- KV connectors' holds and failures ------------------------------------------
+
+CONNECTOR_HELD_BLOCKS: Final = "vllm.kv_cache.connector.held_blocks"
+"""Observable gauge, ``{block}``: blocks of finished requests a KV connector still holds for a transfer."""
+CONNECTOR_HELD_REQUESTS: Final = "vllm.kv_cache.connector.held_requests"
+"""Observable gauge, ``{request}``: finished requests whose blocks a KV connector still holds."""
+CONNECTOR_HELD_AGE_MAX: Final = "vllm.kv_cache.connector.held_age.max"
+"""Observable gauge, ``s``: how long the oldest of them has been held since it finished."""
+CONNECTOR_LOAD_FAILURES: Final = "vllm.kv_cache.connector.load_failures"
+"""Observable counter, ``{block}``: blocks whose load through the KV connector failed."""
+
+# --- otel-kvcache's own health -----------------------------------------------------
+
+INSTRUMENTATION_ERRORS: Final = "otel_kvcache.instrumentation.errors"
+"""Counter, ``{error}``: errors inside otel-kvcache itself (vLLM kept running); for the
+exporter's channel, the records each error cost."""
+TELEMETRY_DROPPED: Final = "otel_kvcache.telemetry.dropped"
+"""Counter, ``{record}``: finished requests' records and findings lost between the engine
+and the backend, by ``otel_kvcache.stage``. Zero means "no data lost", not "no data"."""
+STAGE: Final = "otel_kvcache.stage"
+"""Attribute of ``otel_kvcache.telemetry.dropped``: where the records were lost."""
+STAGE_PIPE: Final = "pipe"
+"""The helper fell too far behind: the engine dropped a frame's records instead of buffering more."""
+STAGE_HELPER_QUEUE: Final = "helper_queue"
+"""Taken by the helper, not exported when its deadline after the engine's exit ran out."""
+STAGE_HELPER_DIED: Final = "helper_died"
+"""Handed to a helper that died before exporting them, or while none could be started."""
+STAGE_EXPORT: Final = "export"
+"""Refused by the collector; held through its outage past ``OTEL_KVCACHE_EXPORT_HOLD_SECONDS``,
+beyond ``OTEL_KVCACHE_EXPORT_HOLD_BYTES``, or at the process's exit; or alone larger than
+``OTEL_KVCACHE_EXPORT_MAX_BYTES``."""
+
 # --- GPU and allocator views (the ``vllm_gpu`` instrumentor) --------------------
 
 GPU_MEMORY_USAGE: Final = HW_GPU_MEMORY_USAGE
@@ -286,56 +342,6 @@ HW_VENDOR_NVIDIA: Final = "NVIDIA"
 PROCESS_PID_ATTRIBUTE: Final = "process.pid"
 TORCH_DEVICE: Final = "vllm.torch.cuda.device"
 """Metric attribute of the allocator metrics: the CUDA device index in that process."""
-
-ORPHANED_BLOCKS: Final = "vllm.kv_cache.orphaned_blocks"
-"""Observable gauge, ``{block}``: block references no live request or deferred free accounts for."""
-ZOMBIE_REQUESTS: Final = "vllm.kv_cache.zombie_requests"
-"""Observable gauge, ``{request}``: finished or vanished requests still holding blocks past the grace period."""
-ZOMBIE_BLOCKS: Final = "vllm.kv_cache.zombie_blocks"
-"""Observable gauge, ``{block}``: blocks those zombie requests hold."""
-STUCK_REQUESTS: Final = "vllm.kv_cache.stuck_requests"
-"""Observable gauge, ``{request}``: running requests with no progress for many steps."""
-TAIL_SLACK: Final = "vllm.kv_cache.tail_slack"
-"""Observable gauge, ``{token}``: token slots allocated to running requests but not yet filled."""
-TAIL_SLACK_RATIO: Final = "vllm.kv_cache.tail_slack.ratio"
-"""Observable gauge, ``1``: tail slack over the token slots of the used blocks."""
-CACHED_BLOCKS_HIT_AGAIN: Final = "vllm.kv_cache.cached_blocks.hit_again"
-"""Observable gauge, ``{block}``: evictable cached blocks that a prefix hit reused since they were cached."""
-EVICTION_AGE: Final = "vllm.kv_cache.eviction.age"
-"""Observable counter, ``s``: summed age (time since it was cached) of every evicted block;
-divided by ``vllm.kv_cache.evictions``, the mean age at eviction."""
-EVICTION_AGE_MAX: Final = "vllm.kv_cache.eviction.age.max"
-"""Observable gauge, ``s``: the oldest block evicted since the previous collection."""
-COMPUTED_TOKENS: Final = "vllm.kv_cache.computed_tokens"
-"""Observable counter, ``{token}``: tokens finished requests computed, recomputations included."""
-
-CONNECTOR_HELD_BLOCKS: Final = "vllm.kv_cache.connector.held_blocks"
-"""Observable gauge, ``{block}``: blocks of finished requests a KV connector still holds for a transfer."""
-CONNECTOR_HELD_REQUESTS: Final = "vllm.kv_cache.connector.held_requests"
-"""Observable gauge, ``{request}``: finished requests whose blocks a KV connector still holds."""
-CONNECTOR_HELD_AGE_MAX: Final = "vllm.kv_cache.connector.held_age.max"
-"""Observable gauge, ``s``: how long the oldest of them has been held since it finished."""
-CONNECTOR_LOAD_FAILURES: Final = "vllm.kv_cache.connector.load_failures"
-"""Observable counter, ``{block}``: blocks whose load through the KV connector failed."""
-
-INSTRUMENTATION_ERRORS: Final = "otel_kvcache.instrumentation.errors"
-"""Counter, ``{error}``: errors inside otel-kvcache itself (vLLM kept running); for the
-exporter's channel, the records each error cost."""
-TELEMETRY_DROPPED: Final = "otel_kvcache.telemetry.dropped"
-"""Counter, ``{record}``: finished requests' records and findings lost between the engine
-and the backend, by ``otel_kvcache.stage``. Zero means "no data lost", not "no data"."""
-STAGE: Final = "otel_kvcache.stage"
-"""Attribute of ``otel_kvcache.telemetry.dropped``: where the records were lost."""
-STAGE_PIPE: Final = "pipe"
-"""The helper fell too far behind: the engine dropped a frame's records instead of buffering more."""
-STAGE_HELPER_QUEUE: Final = "helper_queue"
-"""Taken by the helper, not exported when its deadline after the engine's exit ran out."""
-STAGE_HELPER_DIED: Final = "helper_died"
-"""Handed to a helper that died before exporting them, or while none could be started."""
-STAGE_EXPORT: Final = "export"
-"""Refused by the collector; held through its outage past ``OTEL_KVCACHE_EXPORT_HOLD_SECONDS``,
-beyond ``OTEL_KVCACHE_EXPORT_HOLD_BYTES``, or at the process's exit; or alone larger than
-``OTEL_KVCACHE_EXPORT_MAX_BYTES``."""
 
 # --- otel-kvcache top: the live snapshot each engine publishes (docs/top.md) ---------
 

@@ -10,9 +10,10 @@ Two shapes, by the hook point's ``hot`` flag:
 - hot (the engine loop's, a few calls a step): the factory returns a
   *method builder*, ``build(original) -> method``; the method replaces vLLM's
   on the class and calls ``original`` itself, a plain function that takes the
-  instance first (``hooks.as_vllm_calls_it``). Each is written as a closure
-  taking ``(self, *args, **kwargs)`` and given vLLM's exact parameters by
-  ``signatures.method_like``, so that vLLM's call sites stay specialized;
+  instance first (``hooks.as_vllm_calls_it``). Each factory is written as the
+  closure it builds, taking ``(self, *args, **kwargs)``, and ``_method_builder``
+  gives it vLLM's exact parameters (``signatures.method_like``), so that vLLM's
+  call sites stay specialized;
 - cold (start-up, the API server): a wrapt wrapper,
   ``wrapper(wrapped, instance, args, kwargs)``.
 

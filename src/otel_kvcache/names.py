@@ -289,6 +289,35 @@ CONNECTOR_HELD_AGE_MAX: Final = "vllm.kv_cache.connector.held_age.max"
 CONNECTOR_LOAD_FAILURES: Final = "vllm.kv_cache.connector.load_failures"
 """Observable counter, ``{block}``: blocks whose load through the KV connector failed."""
 
+# --- The offload tier (a KV connector's tier in host memory: OffloadingConnector) -----
+# Its unit is vLLM's offload chunk, ``blocks_per_chunk`` GPU blocks (one by default),
+# called a block of the tier here.
+
+OFFLOAD_HIT_TOKENS: Final = "vllm.kv_cache.offload.hit_tokens"
+"""Span attribute: prompt tokens loaded from the offload tier, summed over admissions."""
+OFFLOAD_STORED_BLOCKS: Final = "vllm.kv_cache.offload.stored_blocks"
+"""Span attribute: the request's blocks the offload tier accepted for storing."""
+OFFLOAD_LOAD_SECONDS: Final = "vllm.kv_cache.offload.load_seconds"
+"""Span attribute: seconds the request waited for the offload tier's loads."""
+OFFLOAD_MEDIUM: Final = "vllm.kv_cache.offload.medium"
+"""Metric attribute of the tier's metrics: the medium, as vLLM names it, in lower case (``cpu``)."""
+OFFLOAD_BLOCKS: Final = "vllm.kv_cache.offload.blocks"
+"""Observable gauge, ``{block}``: the tier's blocks by ``vllm.kv_cache.block.state``: ``used`` (allocated,
+stores in flight included) and ``free``."""
+OFFLOAD_MEMORY_USAGE: Final = "vllm.kv_cache.offload.memory.usage"
+"""Observable gauge, ``By``: bytes of the tier's used blocks."""
+OFFLOAD_MEMORY_LIMIT: Final = "vllm.kv_cache.offload.memory.limit"
+"""Observable gauge, ``By``: bytes of the tier's blocks."""
+OFFLOAD_STORES: Final = "vllm.kv_cache.offload.stores"
+"""Observable counter, ``{block}``: blocks the tier accepted for storing."""
+OFFLOAD_LOADS: Final = "vllm.kv_cache.offload.loads"
+"""Observable counter, ``{block}``: blocks loaded from the tier back into the GPU pool."""
+OFFLOAD_EVICTIONS: Final = "vllm.kv_cache.offload.evictions"
+"""Observable counter, ``{block}``: blocks the tier evicted to make room for stores."""
+OFFLOAD_EVICTED_UNUSED: Final = "vllm.kv_cache.offload.evicted_unused"
+"""Observable counter, ``{block}``: of those, the blocks never loaded back since they were stored: the
+tier's waste."""
+
 # --- otel-kvcache's own health -----------------------------------------------------
 
 INSTRUMENTATION_ERRORS: Final = "otel_kvcache.instrumentation.errors"

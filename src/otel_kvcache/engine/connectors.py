@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from otel_kvcache import config, names
+from otel_kvcache.engine.offload_tier import OffloadTier
 from otel_kvcache.trace_context import remote_span_context, traceparent_for
 from otel_kvcache.vllm_compat.kv_transfer import (
     block_ids_of,
@@ -41,6 +42,7 @@ from otel_kvcache.vllm_compat.kv_transfer import (
     statuses_handing_kv_on,
     waiting_for_remote_kvs_status,
 )
+from otel_kvcache.vllm_compat.offload_tier import offload_tier_manager, tier_bytes_per_block
 
 
 class Engine(Protocol):
@@ -106,6 +108,9 @@ class ConnectorTelemetry:
         self._waiting = waiting_for_remote_kvs_status()
         self._handing_kv_on = statuses_handing_kv_on()
         self._hands_on_in_parameters = hands_kv_on_in_parameters(kv_connector(scheduler))
+        tier = offload_tier_manager(scheduler)
+        self.tier = OffloadTier(tier, tier_bytes_per_block(scheduler)) if tier is not None else None
+        """The connector's offload tier, where it keeps one we can read."""
 
     # --- hooks -------------------------------------------------------------------
 
@@ -184,8 +189,9 @@ class ConnectorTelemetry:
             if tally is not None and not tally.request.is_finished():
                 tally.recomputed_tokens += max(computed - tally.request.num_computed_tokens, 0)
 
-    def on_finished(self, request: Any) -> None:
-        """After ``_free_request``: blocks vLLM did not free are held for the connector."""
+    def on_finished(self, kv_transfer_params: Any, request: Any, *_later: Any, **_named: Any) -> None:
+        """After ``_free_request`` (given what it returned, and vLLM's arguments): blocks vLLM
+        did not free are held for the connector."""
         request_id = request.request_id
         if request_id in self.engine.scheduler_requests:  # freed ones are gone from it
             self.held[request_id] = Held(time.monotonic(), self.engine.held_blocks(request_id))
@@ -220,9 +226,10 @@ class ConnectorTelemetry:
         if tally.wait_started_ns:  # released while waiting (aborted)
             tally.wait_ns += time.monotonic_ns() - tally.wait_started_ns
         delayed = int((time.monotonic() - held.since) * 1e9) if held is not None else -1
+        stored = self.tier.stored_blocks(request_id) if self.tier is not None else -1
         return (
             self.name, tally.role, tally.hit_tokens, tally.wait_ns, tally.failed_blocks,
-            tally.recomputed_tokens, delayed, tally.producer_traceparent, tally.span_id,
+            tally.recomputed_tokens, delayed, tally.producer_traceparent, tally.span_id, stored,
         )  # fmt: skip
 
     def forget_departed(self, live: dict[str, Any]) -> None:
@@ -230,6 +237,8 @@ class ConnectorTelemetry:
             del self.requests[request_id]
         for request_id in [rid for rid in self.held if rid not in live]:
             del self.held[request_id]
+        if self.tier is not None:
+            self.tier.forget_departed(live)
 
     # --- findings and readings ------------------------------------------------------
 

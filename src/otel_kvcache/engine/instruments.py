@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -14,6 +14,7 @@ from otel_kvcache.errors import telemetry_dropped_counter
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry
+    from otel_kvcache.engine.offload_tier import OffloadTier
     from otel_kvcache.engine.telemetry import EngineTelemetry
 
 
@@ -124,6 +125,29 @@ class KVCacheInstruments:
             meter.create_observable_counter(
                 name, callbacks=[self._connector_callback(attrgetter(where))], unit=unit, description=description
             )
+        # The offload tier, on engines whose connector keeps one (offload_tier.py): its pool, by medium.
+        meter.create_observable_gauge(
+            names.OFFLOAD_BLOCKS, callbacks=[self._observe_tier_blocks], unit="{block}",
+            description="Offload-tier blocks by state: used (stores in flight included), free.",
+        )  # fmt: skip
+        meter.create_observable_gauge(
+            names.OFFLOAD_MEMORY_USAGE, callbacks=[self._observe_tier_memory], unit="By",
+            description="Bytes of the offload tier's used blocks.",
+        )  # fmt: skip
+        meter.create_observable_gauge(
+            names.OFFLOAD_MEMORY_LIMIT, callbacks=[self._observe_tier_memory_limit], unit="By",
+            description="Bytes of the offload tier's blocks.",
+        )  # fmt: skip
+        for name, description, where in (
+            (names.OFFLOAD_STORES, "Blocks the offload tier accepted for storing.", "stores"),
+            (names.OFFLOAD_LOADS, "Blocks loaded from the offload tier into the GPU pool.", "loads"),
+            (names.OFFLOAD_EVICTIONS, "Blocks the offload tier evicted to make room for stores.", "evictions"),
+            (names.OFFLOAD_EVICTED_UNUSED, "Blocks the offload tier evicted without loading them back once.",
+             "evicted_unused"),
+        ):  # fmt: skip
+            meter.create_observable_counter(
+                name, callbacks=[self._tier_callback(attrgetter(where))], unit="{block}", description=description
+            )
         # Who holds the pool, by the attribution series (attribution.py).
         meter.create_observable_counter(
             names.OCCUPANCY, callbacks=[self._observe_occupancy], unit="{block}.s",
@@ -166,6 +190,35 @@ class KVCacheInstruments:
                     yield Observation(read(engine.connectors), engine.attributes)
 
         return observe
+
+    def _tiers(self) -> Iterable[tuple[dict[str, Any], OffloadTier]]:
+        """The engines' offload tiers, each with its metric attributes."""
+        for engine in list(self.engines):
+            tier = engine.connectors.tier if engine.connectors is not None else None
+            if tier is not None:
+                yield {**engine.attributes, names.OFFLOAD_MEDIUM: tier.medium}, tier
+
+    def _tier_callback(self, read: Callable[[OffloadTier], float]):
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for attributes, tier in self._tiers():
+                yield Observation(read(tier), attributes)
+
+        return observe
+
+    def _observe_tier_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
+        for attributes, tier in self._tiers():
+            for state, blocks in zip((names.BLOCK_STATE_USED, names.BLOCK_STATE_FREE), tier.blocks()):
+                yield Observation(blocks, {**attributes, names.BLOCK_STATE: state})
+
+    def _observe_tier_memory(self, options: CallbackOptions) -> Iterable[Observation]:
+        for attributes, tier in self._tiers():
+            if tier.bytes_per_block:
+                yield Observation(tier.blocks()[0] * tier.bytes_per_block, attributes)
+
+    def _observe_tier_memory_limit(self, options: CallbackOptions) -> Iterable[Observation]:
+        for attributes, tier in self._tiers():
+            if tier.bytes_per_block:
+                yield Observation(sum(tier.blocks()) * tier.bytes_per_block, attributes)
 
     def _observe_misses(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):

@@ -59,6 +59,10 @@ def connector_attributes(connector: ConnectorSummary) -> dict[str, Any]:
         attributes[names.CONNECTOR_ROLE] = connector.role
     if connector.delayed_free_ns >= 0:
         attributes[names.CONNECTOR_DELAYED_FREE_SECONDS] = connector.delayed_free_ns / 1e9
+    if connector.offload_stored_blocks >= 0:  # an offloading connector: what it loads comes from its tier
+        attributes[names.OFFLOAD_HIT_TOKENS] = connector.hit_tokens
+        attributes[names.OFFLOAD_STORED_BLOCKS] = connector.offload_stored_blocks
+        attributes[names.OFFLOAD_LOAD_SECONDS] = connector.wait_ns / 1e9
     return attributes
 
 

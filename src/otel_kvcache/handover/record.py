@@ -41,6 +41,8 @@ class ConnectorSummary(NamedTuple):
     """The producer's span, for a consumer's link."""
     span_id: int
     """The span id promised to the consumer (a producer's), or 0 for any."""
+    offload_stored_blocks: int
+    """The request's blocks the connector's offload tier accepted for storing; -1: no tier."""
 
 
 class RequestEnded(NamedTuple):

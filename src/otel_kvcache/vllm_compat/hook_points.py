@@ -21,6 +21,8 @@ KV_CACHE_MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
 BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 KV_CACHE_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+OFFLOADING_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+OFFLOAD_MANAGER_MODULE = "vllm.v1.kv_offload.base"
 
 
 class HookPoint(NamedTuple):
@@ -109,6 +111,10 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # Drops every hash at once.
     HookPoint(BLOCK_POOL_MODULE, "BlockPool", "reset_prefix_cache", "reset_prefix_cache",
               "the pool's composition after a prefix-cache reset"),
+    # The offloading connector's scheduler side, built from the spec that sized its tier
+    # (gone once the connector is built): the tier's bytes per block.
+    HookPoint(OFFLOADING_SCHEDULER_MODULE, "OffloadingConnectorScheduler", "__init__", "offload_tier_init",
+              "the offload tier's bytes", ("spec",), hot=False),
     # API server: drops the HTTP request's trace headers without --otlp-traces-endpoint.
     HookPoint("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", "remember_trace_headers",
               "the span's place in the caller's trace", hot=False),
@@ -164,6 +170,22 @@ CONNECTOR_HOOK_POINTS: tuple[HookPoint, ...] = (
             ("SupportsHMA", "request_finished_all_groups"),
         )
     ),
+)  # fmt: skip
+
+
+OFFLOAD_TIER_HOOK_POINTS: tuple[HookPoint, ...] = (
+    # Patched on the offload tier's manager of each engine that has one (``offload_tier.py``),
+    # as the connector's hook points are. Each is called with the request's ReqContext.
+    # A store's chunks are allocated (evicting others) when it is prepared.
+    HookPoint(OFFLOAD_MANAGER_MODULE, "OffloadingManager", "prepare_store", "tier_store_prepared",
+              "the offload tier's stores and evictions", ("keys", "req_context")),
+    HookPoint(OFFLOAD_MANAGER_MODULE, "OffloadingManager", "prepare_load", "tier_load_prepared",
+              "the offload tier's loads, and which evictions were waste", ("keys", "req_context")),
+    # A failed store frees its chunks (0.34's failed jobs).
+    HookPoint(OFFLOAD_MANAGER_MODULE, "OffloadingManager", "complete_store", "tier_store_completed",
+              "which evictions were waste", ("keys", "req_context", "success")),
+    HookPoint(OFFLOAD_MANAGER_MODULE, "OffloadingManager", "reset_cache", "tier_reset",
+              "which evictions were waste"),
 )  # fmt: skip
 
 

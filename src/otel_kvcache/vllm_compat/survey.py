@@ -82,7 +82,7 @@ def hook_point_findings(imported_only: bool = False) -> list[Finding]:
 def connector_hook_points() -> list[Finding]:
     return [
         Finding("hook point", point.qualname, *hook_point_status(point), point.feeds, bool(point.why_core))
-        for point in hook_points.CONNECTOR_HOOK_POINTS
+        for point in hook_points.CONNECTOR_HOOK_POINTS + hook_points.OFFLOAD_TIER_HOOK_POINTS
     ]
 
 

@@ -40,8 +40,9 @@ from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.handover.record import RecordSink
 from otel_kvcache.version import __version__
 from otel_kvcache.vllm_compat.blocks import free_queue
-from otel_kvcache.vllm_compat.hook_points import CONNECTOR_HOOK_POINTS
+from otel_kvcache.vllm_compat.hook_points import CONNECTOR_HOOK_POINTS, OFFLOAD_TIER_HOOK_POINTS
 from otel_kvcache.vllm_compat.kv_transfer import kv_connector
+from otel_kvcache.vllm_compat.offload_tier import remember_tier_bytes
 from otel_kvcache.vllm_compat.readers import engine_index
 from otel_kvcache.vllm_compat.survey import start_up
 from otel_kvcache.wiring.hooks import Wrapper, as_vllm_calls_it
@@ -207,15 +208,13 @@ def _bound_around(
 
 
 @_method_builder
-def _bound_after_first(
-    original: Method, hook: str, errors: InstrumentationErrors, after: Callable[[Any], None]
-) -> Method:
-    """vLLM's call, then ``after(<vLLM's first argument>)``."""
+def _bound_after(original: Method, hook: str, errors: InstrumentationErrors, after: Callable[..., None]) -> Method:
+    """vLLM's call, then ``after(<vLLM's result>, <vLLM's arguments>)``."""
 
     def method(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         try:
-            after(args[0])
+            after(result, *args, **kwargs)
         except Exception as exc:  # ours, never vLLM's
             errors.count(hook, exc)
         return result
@@ -242,18 +241,29 @@ def _bound_result(
 
 
 def patch_connector_hooks(scheduler: Any, connectors: ConnectorTelemetry, errors: InstrumentationErrors) -> None:
-    """Binds the connector's hook points to this scheduler and its connector object.
-    A point the installed vLLM lacks is reported once by name, as the class-level ones are;
-    one we fail to bind is counted and left as vLLM's."""
+    """Binds the connector's hook points to this scheduler and its connector object, and
+    those of its offload tier to the tier's manager. A point the installed vLLM lacks is
+    reported once by name, as the class-level ones are; one we fail to bind is counted and
+    left as vLLM's."""
     builders = {
         "connector_output": lambda hook: _bound_around(hook, errors, connectors.before_output, connectors.after_output),
-        "finished": lambda hook: _bound_after_first(hook, errors, connectors.on_finished),
+        "finished": lambda hook: _bound_after(hook, errors, connectors.on_finished),
         "connector_allocated": lambda hook: _bound_around(hook, errors, connectors.on_allocated),
         "connector_finished": lambda hook: _bound_result(hook, errors, connectors.on_request_finished),
     }
+    points, targets = CONNECTOR_HOOK_POINTS, {"Scheduler": scheduler}
+    tier = connectors.tier
+    if tier is not None:
+        builders.update({
+            "tier_store_prepared": lambda hook: _bound_after(hook, errors, tier.on_store_prepared),
+            "tier_load_prepared": lambda hook: _bound_after(hook, errors, tier.on_load_prepared),
+            "tier_store_completed": lambda hook: _bound_after(hook, errors, tier.on_store_completed),
+            "tier_reset": lambda hook: _bound_after(hook, errors, tier.on_reset),
+        })  # fmt: skip
+        points, targets["OffloadingManager"] = points + OFFLOAD_TIER_HOOK_POINTS, tier.manager
     connector = kv_connector(scheduler)
-    for point in CONNECTOR_HOOK_POINTS:
-        target = scheduler if point.owner == "Scheduler" else connector
+    for point in points:
+        target = targets.get(point.owner, connector)
         original = getattr(type(target), point.method, None)
         if original is None:  # a connector without several KV-cache groups has no request_finished_all_groups
             if point.owner != "SupportsHMA":
@@ -282,6 +292,19 @@ def _feeds(scheduler: Any, engine: EngineTelemetry | None) -> None:
     manager = scheduler.kv_cache_manager
     for owner in (scheduler, manager, manager.block_pool, free_queue(manager.block_pool)):
         setattr(owner, ENGINE_ATTRIBUTE, engine)
+
+
+def offload_tier_init_wrapper(hook: str, errors: InstrumentationErrors) -> Wrapper:
+    """Keeps the tier's bytes per block, from the spec the connector's scheduler side is built from."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        try:
+            remember_tier_bytes(instance, args[0] if args else kwargs["spec"])
+        except Exception as exc:  # noqa: BLE001
+            errors.count(hook, exc)
+
+    return wrapper
 
 
 def scheduler_init_wrapper(
@@ -349,4 +372,5 @@ def build_wrappers(
         "attach_trace_context": lambda hook: attach_trace_context_wrapper(hook, errors),
         "recover_trace_headers": lambda hook: recover_trace_headers_wrapper(hook, errors),
         "name_child_process": lambda hook: name_child_process_wrapper(hook, errors),
+        "offload_tier_init": lambda hook: offload_tier_init_wrapper(hook, errors),
     }

@@ -1,0 +1,159 @@
+"""The offload tier of vLLM's ``OffloadingConnector`` (CPU backend, LRU and ARC), per
+request and as a pool, on the real scheduler with the connector's real scheduler side
+and its real ``CPUOffloadingManager``; the workers are played as vLLM's offloading tests
+play them (``test_connectors.OffloadingWorker``).
+
+Every number is checked against vLLM: the jobs its scheduler side registers (each
+store's and load's keys and request, ``_jobs``), which keys its manager's policy holds
+after each step, its capacity, and the request's prefill stats and statuses.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+from test_connectors import OffloadingWorker, attributes
+from vllm.config import KVTransferConfig
+from vllm.v1.request import RequestStatus
+
+from otel_kvcache import names
+
+TIER_BLOCKS = 8
+
+
+class Ledger:
+    """What vLLM did with each key of the tier, read after every step: the keys of the
+    store and load jobs its scheduler side registered, and which keys its manager's
+    policy holds (a key that leaves it was evicted: this test neither resets the tier
+    nor fails a store)."""
+
+    def __init__(self, connector_scheduler) -> None:
+        self.connector_scheduler = connector_scheduler
+        self.manager = connector_scheduler.manager
+        self.stored: dict[str, int] = {}  # blocks per request
+        self.loads = 0
+        self.evictions = self.evicted_unused = 0
+        self.resident: set = set()
+        self.loaded_since_stored: dict = {}  # key -> loaded since its last store
+
+    def take(self, scheduler_output) -> None:
+        metadata = scheduler_output.kv_connector_metadata
+        for job_id in (*metadata.store_jobs, *metadata.load_jobs):
+            job = self.connector_scheduler._jobs[job_id]
+            if job.is_store:
+                self.stored[job.req_id] = self.stored.get(job.req_id, 0) + len(job.keys)
+                self.loaded_since_stored.update(dict.fromkeys(job.keys, False))
+            else:
+                self.loads += len(job.keys)
+                self.loaded_since_stored.update(dict.fromkeys(job.keys, True))
+        now = {key for key in self.loaded_since_stored if self.manager._policy.get(key) is not None}
+        for key in self.resident - now:
+            self.evictions += 1
+            self.evicted_unused += not self.loaded_since_stored[key]
+        self.resident = now
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_tier_is_its_managers_pool_and_each_request_its_jobs(policy, make_engine, telemetry):
+    # A tier's block takes what its spec says (the model's KV bytes per block, aligned): read
+    # off a first engine's, which then goes, so that its tier is not reported beside the next.
+    probe = make_engine(num_blocks=64, kv_transfer_config=offloading(1 << 30, policy))
+    bytes_per_block = probe.scheduler.connector.connector_scheduler._otel_kvcache_tier_bytes_per_block
+    del probe
+    gc.collect()
+    tier_bytes = TIER_BLOCKS * bytes_per_block + bytes_per_block // 2  # room for 8 blocks and a half
+    engine = make_engine(num_blocks=64, kv_transfer_config=offloading(tier_bytes, policy))
+    connector_scheduler = engine.scheduler.connector.connector_scheduler
+    manager = connector_scheduler.manager
+    assert manager._num_chunks == TIER_BLOCKS
+    worker, ledger = OffloadingWorker(), Ledger(connector_scheduler)
+    medium = {names.OFFLOAD_MEDIUM: "cpu"}
+    waits = {}  # request id -> (seconds before the step that parked it, after the step that freed it)
+
+    def tier_metrics() -> dict:
+        blocks = {p.attributes[names.BLOCK_STATE]: p.value for p in telemetry.points(names.OFFLOAD_BLOCKS)}
+        assert all(p.attributes[names.OFFLOAD_MEDIUM] == "cpu" for p in telemetry.points(names.OFFLOAD_BLOCKS))
+        return blocks
+
+    def run() -> None:
+        for _ in range(200):
+            if not (engine.scheduler.has_requests() or worker.jobs):
+                return
+            started = time.monotonic()
+            parked = {rid for rid, r in engine.requests.items() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+            output = engine.step(kv_connector_output=worker.output())
+            worker.take(output)
+            ledger.take(output)
+            for request in engine.requests.values():
+                waiting = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                if waiting and request.request_id not in waits:
+                    waits[request.request_id] = (started, None)
+                elif request.request_id in parked and not waiting:
+                    waits[request.request_id] = (waits[request.request_id][0], time.monotonic())
+            if worker.jobs:  # stores and loads in flight: their blocks are the tier's used ones
+                assert tier_metrics() == {
+                    names.BLOCK_STATE_USED: len(ledger.resident),
+                    names.BLOCK_STATE_FREE: manager._num_chunks - len(ledger.resident),
+                }
+        raise AssertionError("still busy after 200 steps")
+
+    engine.add(engine.make_request("a", 80, shared_prefix=80, max_tokens=4))  # 5 blocks stored
+    run()
+    assert engine.scheduler.reset_prefix_cache()  # the GPU's copy is gone, the tier's stays
+    engine.add(engine.make_request("b", 96, shared_prefix=80, max_tokens=4))  # loads a's 5, stores 1
+    run()
+    for request_id in ("c", "d", "e"):  # 4 blocks each, unique: the tier evicts
+        engine.add(engine.make_request(request_id, 64, max_tokens=2))
+        run()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add(engine.make_request("f", 80, shared_prefix=80, max_tokens=2))  # a's prefix again, if it stayed
+    run()
+
+    # The pool, and what went through it.
+    assert ledger.loads and ledger.evictions > ledger.evicted_unused > 0  # some evicted after a load, some unused
+    assert tier_metrics() == {
+        names.BLOCK_STATE_USED: len(ledger.resident),
+        names.BLOCK_STATE_FREE: manager._num_chunks - len(ledger.resident),
+    }
+    assert telemetry.total(names.OFFLOAD_STORES, **medium) == sum(ledger.stored.values())
+    assert telemetry.total(names.OFFLOAD_LOADS, **medium) == ledger.loads
+    assert telemetry.total(names.OFFLOAD_EVICTIONS, **medium) == ledger.evictions
+    assert telemetry.total(names.OFFLOAD_EVICTED_UNUSED, **medium) == ledger.evicted_unused
+    [limit] = telemetry.points(names.OFFLOAD_MEMORY_LIMIT)
+    assert limit.value <= tier_bytes < limit.value + limit.value / TIER_BLOCKS  # vLLM's whole blocks of the budget
+    if hasattr(manager, "config_info"):  # 0.33 on: vLLM says how many bytes it took
+        assert limit.value == manager.config_info()[0]["cpu_kv_cache_size_bytes"]
+    [usage] = telemetry.points(names.OFFLOAD_MEMORY_USAGE)
+    assert usage.value == len(ledger.resident) * limit.value // TIER_BLOCKS
+
+    # Each request: its stores, its loads' tokens (vLLM's prefill stats) and its wait.
+    for request_id in "abcdef":
+        attrs = attributes(telemetry, request_id)
+        assert attrs[names.OFFLOAD_STORED_BLOCKS] == ledger.stored.get(request_id, 0)
+        assert attrs[names.OFFLOAD_HIT_TOKENS] == engine.truth.external_cached_tokens.get(request_id, 0)
+        if request_id in waits:
+            started, ended = waits[request_id]
+            assert 0 < attrs[names.OFFLOAD_LOAD_SECONDS] <= ended - started
+        else:
+            assert attrs[names.OFFLOAD_LOAD_SECONDS] == 0
+    assert attributes(telemetry, "b")[names.OFFLOAD_HIT_TOKENS] == 80 and "b" in waits
+    hits = sum(engine.truth.external_cached_tokens.values())
+    assert telemetry.total(names.CONNECTOR_HIT_TOKENS) == hits  # the tier's hits are the connector's
+
+
+def test_an_engine_without_a_tier_reports_none_of_it(engine, telemetry):
+    engine.add(engine.make_request("r-1", 40, max_tokens=2))
+    engine.run()
+    assert not [k for k in attributes(telemetry, "r-1") if k.startswith("vllm.kv_cache.offload.")]
+    assert not telemetry.points(names.OFFLOAD_BLOCKS)
+    assert not telemetry.points(names.OFFLOAD_STORES)
+
+
+def offloading(cpu_bytes: int, policy: str) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, "eviction_policy": policy},
+    )

@@ -142,6 +142,40 @@ def test_connector_states_are_vllms(model_config, publisher, capsys):
     assert {names.LIVE_STATE_WAITING_FOR_REMOTE_KV, names.LIVE_STATE_HELD_FOR_SEND} <= seen
 
 
+def test_the_tier_line_is_vllms_offload_tier(model_config, publisher, capsys):
+    """An engine with a CPU offload tier: ``top``'s tier is its manager's pool, and what went
+    through it is what vLLM's offloading scheduler registered (``test_offload_tier.Ledger``)."""
+    from test_connectors import OffloadingWorker
+    from test_offload_tier import Ledger, offloading
+
+    harness = EngineHarness(make_scheduler(model_config, num_blocks=64, kv_transfer_config=offloading(1 << 20, "lru")))
+    connector_scheduler = harness.scheduler.connector.connector_scheduler
+    worker, ledger = OffloadingWorker(), Ledger(connector_scheduler)
+    publisher.publish()
+    assert engine_frame(capsys)["offload"]["used"] == 0
+    for request_id in ("a", "b"):
+        harness.add(harness.make_request(request_id, 80, shared_prefix=80, max_tokens=4))
+        while harness.scheduler.has_requests() or worker.jobs:
+            output = harness.step(kv_connector_output=worker.output())
+            worker.take(output)
+            ledger.take(output)
+        assert harness.scheduler.reset_prefix_cache()  # the next one loads from the tier
+    publisher.publish()
+    tier = engine_frame(capsys)["offload"]
+    manager = connector_scheduler.manager
+    assert ledger.loads and sum(ledger.stored.values())
+    assert tier == {
+        "medium": "cpu", "used": len(ledger.resident), "free": manager._num_chunks - len(ledger.resident),
+        "bytes_per_block": tier["bytes_per_block"], "stores": sum(ledger.stored.values()), "loads": ledger.loads,
+        "evictions": ledger.evictions, "evicted_unused": ledger.evicted_unused,
+    }  # fmt: skip
+    assert manager._num_chunks * tier["bytes_per_block"] <= 1 << 20 < (manager._num_chunks + 1) * tier["bytes_per_block"]
+    capsys.readouterr()
+    assert cli(["top", "--once"]) == 0
+    shown = capsys.readouterr().out
+    assert f"tier  cpu: used {tier['used']}  free {tier['free']}  of {manager._num_chunks} blocks" in shown, shown
+
+
 def test_the_snapshots_are_this_users_only_and_go_with_their_engine(model_config, publisher, top_snapshot_directory):
     harness = EngineHarness(make_scheduler(model_config, num_blocks=16))
     publisher.publish()

@@ -59,6 +59,7 @@ from otel_kvcache.vllm_compat.readers import arrival_time_reader, live_states_by
 from otel_kvcache.vllm_compat.versions import installed_vllm_version
 
 if TYPE_CHECKING:
+    from otel_kvcache.engine.offload_tier import OffloadTier
     from otel_kvcache.engine.telemetry import EngineTelemetry
     from otel_kvcache.errors import InstrumentationErrors
 
@@ -230,6 +231,7 @@ class SnapshotPublisher:
             "connector": None if connectors is None else dict(
                 zip(("held_blocks", "held_requests", "held_age_max_s"), connectors.held_readings())
             ),
+            "offload": None if connectors is None or connectors.tier is None else _tier(connectors.tier),
             "whatif": {
                 "hit_ratio": {f"{scale:g}": ratio for scale, ratio in engine.reuse.projected_hit_ratios().items()},
                 "preemption_free_scale": engine.reuse.preemption_free_scale(),
@@ -276,6 +278,15 @@ class SnapshotPublisher:
             "model": attribution.model_of(request),
             "baggage": baggage_entries(engine.trace_headers_of(request), attribution.baggage_keys, engine.value_limit),
         }
+
+
+def _tier(tier: OffloadTier) -> dict[str, Any]:
+    """An engine's offload tier (``docs/top.md``)."""
+    used, free = tier.blocks()
+    return {
+        "medium": tier.medium, "used": used, "free": free, "bytes_per_block": tier.bytes_per_block,
+        "stores": tier.stores, "loads": tier.loads, "evictions": tier.evictions, "evicted_unused": tier.evicted_unused,
+    }  # fmt: skip
 
 
 def _remove(path: Path, owner: int) -> None:

@@ -122,6 +122,8 @@ def _engine(engine: dict[str, Any], devices: list[dict[str, Any]], view: View) -
     if engine.get("stale"):
         heading.append(f"  STALE: no snapshot for {engine['age_s']:.0f} s", style="bold red")
     lines: list[RenderableType] = [heading, _pool_line(engine["pool"]), _memory_line(engine, devices)]
+    if engine.get("offload"):
+        lines.append(_tier_line(engine["offload"]))
     lines.append(_rates_line(engine.get("last_minute")))
     lines.append(_leaks_line(engine.get("leaks"), engine.get("connector")))
     whatif = _whatif_line(engine.get("whatif"))
@@ -160,6 +162,16 @@ def _memory_line(engine: dict[str, Any], devices: list[dict[str, Any]]) -> Text:
     on_device = [(d, d["process_memory"][pid]) for d in devices if pid in d.get("process_memory", {})]
     for device, used in on_device:
         line.append(f"; this process holds {_bytes(used)} on GPU{device['index']} (NVML)", style="dim")
+    return line
+
+
+def _tier_line(tier: dict[str, Any]) -> Text:
+    used, free, per_block = tier["used"], tier["free"], tier.get("bytes_per_block") or 0
+    line = Text(f"  tier  {tier['medium']}: used {used}  free {free}  of {used + free} blocks")
+    if per_block:
+        line.append(f" ({_bytes(used * per_block)} of {_bytes((used + free) * per_block)})")
+    line.append(f"  stores {tier['stores']}  loads {tier['loads']}  evictions {tier['evictions']}, ")
+    line.append(f"{tier['evicted_unused']} never loaded back", style="bold yellow" if tier["evicted_unused"] else "")
     return line
 
 

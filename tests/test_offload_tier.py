@@ -143,6 +143,56 @@ def test_the_tier_is_its_managers_pool_and_each_request_its_jobs(policy, make_en
     assert telemetry.total(names.CONNECTOR_HIT_TOKENS) == hits  # the tier's hits are the connector's
 
 
+def test_the_tiers_blocks_are_the_storing_requests_by_series(model_config, monkeypatch):
+    """By priority: the blocks the tier holds are those of the requests whose store jobs put
+    them there (vLLM's jobs, and its policy's keys), each request's series with the medium;
+    while nothing changes, their block-seconds grow by the blocks held times the time."""
+    from conftest import Telemetry
+    from engine_harness import EngineHarness
+    from harness.scheduler import make_scheduler
+
+    from otel_kvcache import VLLMKVCacheInstrumentor, config
+
+    monkeypatch.setenv(config.ATTRIBUTION, names.PRIORITY)
+    telemetry, instrumentor = Telemetry(), VLLMKVCacheInstrumentor()
+    instrumentor.instrument(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    try:
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=64, kv_transfer_config=offloading(1 << 30, "lru")))
+        connector_scheduler = engine.scheduler.connector.connector_scheduler
+        worker, ledger = OffloadingWorker(), Ledger(connector_scheduler)
+        owner = {}  # key -> the request whose store job last put it in the tier
+        for request_id, priority in (("p0-a", 0), ("p1-a", 1), ("p1-b", 1)):
+            engine.add(engine.make_request(request_id, 64 + 16 * priority, max_tokens=3, priority=priority))
+            while engine.scheduler.has_requests() or worker.jobs:
+                output = engine.step(kv_connector_output=worker.output())
+                worker.take(output)
+                ledger.take(output)
+                for job_id in output.kv_connector_metadata.store_jobs:
+                    job = connector_scheduler._jobs[job_id]
+                    owner.update(dict.fromkeys(job.keys, job.req_id))
+        held_by_priority = {}
+        for key in ledger.resident:
+            priority = engine.requests[owner[key]].priority
+            held_by_priority[priority] = held_by_priority.get(priority, 0) + 1
+        assert held_by_priority == {0: 4, 1: 10}  # 4 blocks, then 5 and 5: nothing evicted from 1 GiB
+
+        def tier_series(metric: str) -> dict:
+            return {
+                p.attributes[names.PRIORITY]: p.value
+                for p in telemetry.points(metric)
+                if p.attributes.get(names.OFFLOAD_MEDIUM) == "cpu"
+            }
+
+        assert tier_series(names.HELD_BLOCKS) == held_by_priority
+        before, start = tier_series(names.OCCUPANCY), time.monotonic()
+        time.sleep(0.5)
+        after, elapsed = tier_series(names.OCCUPANCY), time.monotonic() - start
+        for priority, blocks in held_by_priority.items():
+            assert after[priority] - before[priority] == pytest.approx(blocks * elapsed, rel=0.1)
+    finally:
+        instrumentor.uninstrument()
+
+
 def test_an_engine_without_a_tier_reports_none_of_it(engine, telemetry):
     engine.add(engine.make_request("r-1", 40, max_tokens=2))
     engine.run()

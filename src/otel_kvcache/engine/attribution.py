@@ -140,6 +140,10 @@ class Attribution:
     def key_of(self, request: Any) -> Key:
         return self._key(self._trace_headers_of(request), self.model_of(request), self.priority_of(request))
 
+    def key_of_live(self, request: Any | None) -> Key:
+        """A request's key; where vLLM no longer knows the request (None), the unknown one."""
+        return self._unknown if request is None else self.key_of(request)
+
     def _key(self, trace_headers: Any, model: str, priority: int) -> Key:
         if self._model_only:
             return (model,)
@@ -252,6 +256,13 @@ class Attribution:
         by_key, _ = self._held_by_key(type_managers, requests)
         return [
             (self.named(key), blocks) for key, blocks in sorted(by_key.items(), key=lambda item: -item[1])
+        ]
+
+    def by_series(self, by_key: dict[Key, float], more_attributes: Mapping[str, Any]) -> list[tuple[dict, float]]:
+        """Values by key (the offload tier's: ``offload_tier.py``), summed by series, with more attributes."""
+        return [
+            ({**self.attributes_of(series), **more_attributes}, value)
+            for series, value in self._by_series(by_key).items()
         ]
 
     def named(self, key: Key) -> dict[str, Any]:

@@ -59,6 +59,8 @@ class Engine(Protocol):
     def held_blocks(self) -> Callable[[str], int]: ...
     @property
     def trace_headers_of(self) -> Callable[[Any], Mapping[str, str] | None]: ...
+    @property
+    def attribution(self) -> Any: ...
 
     def event(self, request_id: str, name: str, blocks: int, detail: Any) -> None: ...
 
@@ -109,8 +111,11 @@ class ConnectorTelemetry:
         self._handing_kv_on = statuses_handing_kv_on()
         self._hands_on_in_parameters = hands_kv_on_in_parameters(kv_connector(scheduler))
         tier = offload_tier_manager(scheduler)
-        self.tier = OffloadTier(tier, tier_bytes_per_block(scheduler)) if tier is not None else None
+        self.tier = None if tier is None else OffloadTier(tier, tier_bytes_per_block(scheduler), self._attribution_key)
         """The connector's offload tier, where it keeps one we can read."""
+
+    def _attribution_key(self, request_id: str) -> Any:
+        return self.engine.attribution.key_of_live(self.engine.scheduler_requests.get(request_id))
 
     # --- hooks -------------------------------------------------------------------
 

@@ -163,12 +163,25 @@ class KVCacheInstruments:
         for engine in list(self.engines):
             for attributes, blocks in engine.attribution.held_blocks(engine.type_managers, engine.scheduler_requests):
                 yield Observation(blocks, attributes)
+            for attributes, blocks in self._tier_series(engine, blocks=True):
+                yield Observation(blocks, attributes)
 
     def _observe_occupancy(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):
             attribution = engine.attribution
             for attributes, seconds in attribution.occupancy_seconds(engine.requests, engine.scheduler_requests):
                 yield Observation(seconds, attributes)
+            for attributes, seconds in self._tier_series(engine, blocks=False):
+                yield Observation(seconds, attributes)
+
+    @staticmethod
+    def _tier_series(engine: EngineTelemetry, blocks: bool) -> list[tuple[dict, float]]:
+        """The blocks the engine's offload tier holds now (or their block-seconds), by series."""
+        tier = engine.connectors.tier if engine.connectors is not None else None
+        if tier is None:
+            return []
+        by_owner = {owner: held if blocks else seconds for owner, held, seconds in tier.holdings()}
+        return engine.attribution.by_series(by_owner, {names.OFFLOAD_MEDIUM: tier.medium})
 
     def _observe_eviction_age_max(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):

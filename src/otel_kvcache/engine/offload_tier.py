@@ -16,13 +16,19 @@ A block stored and not loaded back before its eviction is the tier's waste
 are kept, as many as the tier holds blocks at most. The pool's used and free blocks
 are the manager's own counts, read when the metric reader collects.
 
+Whose blocks the tier holds: each block stored is the storing request's, by its
+attribution key (``attribution.py``: model, priority, tenant), until it leaves the tier;
+the blocks each key holds, and their block-nanoseconds, change only when a store, an
+eviction, a failed store or a reset does.
+
 The hit tokens and the load wait of a request are its connector's
 (``ConnectorTally``): with an offloading connector, what it loads comes from the tier.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 from otel_kvcache.vllm_compat.offload_tier import request_id_of, store_keys, tier_blocks, tier_medium
@@ -31,7 +37,7 @@ from otel_kvcache.vllm_compat.offload_tier import request_id_of, store_keys, tie
 class OffloadTier:
     """One engine's offload tier; its counts are read by the metric reader."""
 
-    def __init__(self, manager: Any, bytes_per_block: int | None) -> None:
+    def __init__(self, manager: Any, bytes_per_block: int | None, owner_of: Callable[[str], Hashable]) -> None:
         self.manager = manager
         self.medium = tier_medium(manager)
         self.bytes_per_block = bytes_per_block
@@ -39,6 +45,13 @@ class OffloadTier:
         self.stores = self.loads = self.evictions = self.evicted_unused = 0
         self.stored_by_request: dict[str, int] = {}
         self._not_loaded_since_stored: set[Any] = set()
+        self._owner_of = owner_of
+        """A live request's attribution key, by its id."""
+        self._owner_of_request: dict[str, Hashable] = {}
+        self._owner_of_block: dict[Any, Hashable] = {}
+        self.held: dict[Hashable, Holding] = {}
+        """The blocks each attribution key holds in the tier, and their block-nanoseconds."""
+        self._reported_block_ns: dict[Hashable, int] = {}
 
     # --- hooks (the manager's, after vLLM's call) ----------------------------------
 
@@ -46,10 +59,7 @@ class OffloadTier:
         if prepared is None:  # the tier could not take the store; nothing was evicted
             return
         accepted, evicted = store_keys(prepared)
-        if accepted:
-            request_id = request_id_of(req_context)
-            self.stored_by_request[request_id] = self.stored_by_request.get(request_id, 0) + len(accepted)
-            self.stores += len(accepted)
+        now_ns = time.monotonic_ns()
         if evicted:
             self.evictions += len(evicted)
             unused = self._not_loaded_since_stored
@@ -57,7 +67,17 @@ class OffloadTier:
                 if key in unused:
                     unused.discard(key)
                     self.evicted_unused += 1
-        self._not_loaded_since_stored.update(accepted)
+            self._leave(evicted, now_ns)
+        if accepted:
+            request_id = request_id_of(req_context)
+            self.stored_by_request[request_id] = self.stored_by_request.get(request_id, 0) + len(accepted)
+            self.stores += len(accepted)
+            self._not_loaded_since_stored.update(accepted)
+            owner = self._owner_of_request.get(request_id)
+            if owner is None:
+                owner = self._owner_of_request[request_id] = self._owner_of(request_id)
+            self._holding(owner, now_ns).blocks += len(accepted)
+            self._owner_of_block.update(dict.fromkeys(accepted, owner))
 
     def on_load_prepared(self, load_spec: Any, keys: Collection[Any], req_context: Any) -> None:
         self.loads += len(keys)
@@ -66,22 +86,71 @@ class OffloadTier:
     def on_store_completed(self, result: Any, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
         if not success:  # the tier freed the blocks: no eviction
             self._not_loaded_since_stored.difference_update(keys)
+            self._leave(keys, time.monotonic_ns())
 
     def on_reset(self, result: Any) -> None:
         self._not_loaded_since_stored.clear()
+        self._leave(list(self._owner_of_block), time.monotonic_ns())
+
+    def _holding(self, owner: Hashable, now_ns: int) -> Holding:
+        """The owner's holding, its block-nanoseconds brought up to now (before its blocks change)."""
+        holding = self.held.get(owner)
+        if holding is None:
+            holding = self.held[owner] = Holding(now_ns)
+        else:
+            holding.catch_up(now_ns)
+        return holding
+
+    def _leave(self, keys: Collection[Any], now_ns: int) -> None:
+        """Blocks leave the tier: their owners hold them no more."""
+        owner_of_block = self._owner_of_block
+        for key in keys:
+            owner = owner_of_block.pop(key, None)
+            if owner is not None:  # stored while instrumented
+                self._holding(owner, now_ns).blocks -= 1
 
     # --- per request --------------------------------------------------------------
 
     def stored_blocks(self, request_id: str) -> int:
         """The request's blocks the tier accepted, as its record leaves (``ConnectorSummary``)."""
+        self._owner_of_request.pop(request_id, None)
         return self.stored_by_request.pop(request_id, 0)
 
     def forget_departed(self, live: Mapping[str, Any]) -> None:
-        for request_id in [rid for rid in self.stored_by_request if rid not in live]:
-            del self.stored_by_request[request_id]
+        for table in (self.stored_by_request, self._owner_of_request):
+            for request_id in [rid for rid in table if rid not in live]:
+                del table[request_id]
 
     # --- readings -----------------------------------------------------------------
 
     def blocks(self) -> tuple[int, int]:
         """Used and free blocks, as the manager counts them now."""
         return tier_blocks(self.manager)
+
+    def holdings(self) -> list[tuple[Hashable, int, float]]:
+        """Each attribution key's blocks in the tier now, and their block-seconds so far."""
+        now_ns, reported = time.monotonic_ns(), self._reported_block_ns
+        holdings = []
+        for owner, holding in list(self.held.items()):  # one C call: safe against the engine thread
+            # Read while the engine thread changes it, a holding may count a stretch twice for a
+            # moment: a counter never goes back.
+            block_ns = reported[owner] = max(holding.block_ns_until(now_ns), reported.get(owner, 0))
+            holdings.append((owner, holding.blocks, block_ns / 1e9))
+        return holdings
+
+
+class Holding:
+    """One attribution key's blocks in the tier, and their block-nanoseconds up to ``since_ns``."""
+
+    __slots__ = ("blocks", "block_ns", "since_ns")
+
+    def __init__(self, now_ns: int) -> None:
+        self.blocks = self.block_ns = 0
+        self.since_ns = now_ns
+
+    def catch_up(self, now_ns: int) -> None:
+        self.block_ns += self.blocks * (now_ns - self.since_ns)
+        self.since_ns = now_ns
+
+    def block_ns_until(self, now_ns: int) -> int:
+        return self.block_ns + self.blocks * max(now_ns - self.since_ns, 0)

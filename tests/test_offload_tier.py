@@ -14,11 +14,14 @@ import gc
 import time
 
 import pytest
+from conftest import Telemetry
+from engine_harness import EngineHarness
+from harness.scheduler import make_scheduler
 from test_connectors import OffloadingWorker, attributes
 from vllm.config import KVTransferConfig
 from vllm.v1.request import RequestStatus
 
-from otel_kvcache import names
+from otel_kvcache import VLLMKVCacheInstrumentor, config, names
 
 TIER_BLOCKS = 8
 
@@ -147,12 +150,6 @@ def test_the_tiers_blocks_are_the_storing_requests_by_series(model_config, monke
     """By priority: the blocks the tier holds are those of the requests whose store jobs put
     them there (vLLM's jobs, and its policy's keys), each request's series with the medium;
     while nothing changes, their block-seconds grow by the blocks held times the time."""
-    from conftest import Telemetry
-    from engine_harness import EngineHarness
-    from harness.scheduler import make_scheduler
-
-    from otel_kvcache import VLLMKVCacheInstrumentor, config
-
     monkeypatch.setenv(config.ATTRIBUTION, names.PRIORITY)
     telemetry, instrumentor = Telemetry(), VLLMKVCacheInstrumentor()
     instrumentor.instrument(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)

@@ -154,7 +154,8 @@ def test_the_tiers_blocks_are_the_storing_requests_by_series(model_config, monke
     telemetry, instrumentor = Telemetry(), VLLMKVCacheInstrumentor()
     instrumentor.instrument(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
     try:
-        engine = EngineHarness(make_scheduler(model_config, num_blocks=64, kv_transfer_config=offloading(1 << 30, "lru")))
+        tiered = offloading(1 << 30, "lru")
+        engine = EngineHarness(make_scheduler(model_config, num_blocks=64, kv_transfer_config=tiered))
         connector_scheduler = engine.scheduler.connector.connector_scheduler
         worker, ledger = OffloadingWorker(), Ledger(connector_scheduler)
         owner = {}  # key -> the request whose store job last put it in the tier

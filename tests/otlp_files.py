@@ -139,6 +139,8 @@ class Run:
     hits: list[int] = field(default_factory=lambda: [0, 32, 64, 96, 96, 160])
     queries: list[int] = field(default_factory=lambda: [0, 64, 128, 256, 320, 320])
     zombies: list[int] = field(default_factory=lambda: [0, 0, 0, 0, 1, 1])
+    tier: list[tuple[int, int]] = field(default_factory=lambda: [(0, 8), (3, 5), (6, 2), (8, 0), (8, 0), (5, 3)])
+    """The offload tier's (used, free) at each second's export: its blocks are the first model's."""
     scales: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
     models: tuple[str, ...] = ("llama", "adapter-x")
     """The attribution series: the first holds three quarters of the used blocks."""
@@ -198,10 +200,17 @@ class Run:
                 counter(names.OCCUPANCY, second, 0, series=[
                     (float(3 * second * (k + 1)), {names.MODEL: model}) for k, model in enumerate(self.models)]),
             ]  # fmt: skip
+            tier_used, tier_free = self.tier[second]
+            tier = {**engine, names.OFFLOAD_MEDIUM: "cpu"}
+            metrics.append(gauge(names.OFFLOAD_BLOCKS, second, [
+                (tier_used, {**tier, names.BLOCK_STATE: names.BLOCK_STATE_USED}),
+                (tier_free, {**tier, names.BLOCK_STATE: names.BLOCK_STATE_FREE}),
+            ]))  # fmt: skip
             if used:  # no series while nothing is held
                 metrics.append(gauge(names.HELD_BLOCKS, second, [
                     (used * 0.75, {**engine, names.MODEL: self.models[0]}),
                     (used * 0.25, {**engine, names.MODEL: self.models[1]}),
+                    (float(tier_used), {**tier, names.MODEL: self.models[0]}),  # the GPU pool's holders: not these
                 ]))  # fmt: skip
             if self.with_what_if and second >= 3:
                 metrics.append(gauge(names.PROJECTED_HIT_RATIO, second, [

@@ -197,7 +197,7 @@ def test_distributions_count_every_request(run_files, page):
 
 def test_who_holds_the_kv_cache_is_every_series_reading_and_its_last_total(run_files, page):
     data = script_json(page, "spec-holders")["datasets"]
-    held = points_in(run_files, names.HELD_BLOCKS)
+    held = [p for p in points_in(run_files, names.HELD_BLOCKS) if names.OFFLOAD_MEDIUM not in p[2]]  # the GPU pool's
     used = {t: v for t, v, a in points_in(run_files, names.BLOCKS) if a[names.BLOCK_STATE] == "used"}
     rows = {(r["t"], r["holder"]): r["blocks"] for r in data["held"]}
     # Every reading of the pool, each series' blocks then (0 where it had no point): the
@@ -232,6 +232,15 @@ def test_what_if_curve_is_each_scales_latest_reading(run_files, page):
     assert {r["scale"]: r["ratio"] for r in rows} == latest
 
 
+def test_the_tier_chart_is_every_reading_of_the_offload_tier(run_files, page):
+    rows = script_json(page, "spec-tier")["datasets"]["tier"]
+    points = points_in(run_files, names.OFFLOAD_BLOCKS)
+    assert sorted((r["t"], r["tier"], r["state"], r["blocks"]) for r in rows) == sorted(
+        (round((t - T0) / 1e9, 4), a[names.OFFLOAD_MEDIUM], a[names.BLOCK_STATE], v) for t, v, a in points
+    )
+    assert len(rows) == 2 * len(Run().tier)
+
+
 def test_no_what_if_chart_without_its_gauge(tmp_path):
     page = make_report(Run(with_what_if=False).write(tmp_path / "otlp"), tmp_path / "report.html")
     assert 'id="spec-whatif"' not in page
@@ -259,11 +268,14 @@ def test_the_page_needs_no_network(page):
 def test_the_page_renders_every_chart_in_headless_chromium(page, tmp_path):
     path = tmp_path / "report.html"
     path.write_text(page)
-    shares = open_and_check(path, {"pool", "device", "holders", "timeline", "session_gaps", "distributions", "whatif"})
+    shares = open_and_check(
+        path, {"pool", "device", "tier", "holders", "timeline", "session_gaps", "distributions", "whatif"}
+    )
     # Marks drawn in colour, not only axes and grey gridlines: the stacked pool is most
     # of its plot, a thin NVML line the least.
     assert shares["pool"] > 0.25, shares
     assert shares["device"] > 0.005, shares
+    assert shares["tier"] > 0.005, shares
     assert shares["timeline"] > 0.05, shares
     assert shares["distributions"] > 0.03, shares
     assert shares["whatif"] > 0.003, shares

@@ -57,6 +57,7 @@ def build(otlp_dir: Path) -> Report:
     figures = [
         pool_charts.composition(metrics, traces, base),
         pool_charts.device_memory(metrics, base),
+        pool_charts.offload_tier(metrics, base),
         holder_charts.holders(metrics, base),
         request_charts.timeline(traces, base),
         holder_charts.session_gaps(traces),

@@ -88,6 +88,8 @@ class MetricDigest:
     device_memory: dict[str, TimeBuckets[tuple]] = field(default_factory=dict)
     """``hw.id`` -> (time, bytes in use) readings (NVML, as nvidia-smi)."""
     device_limit: dict[str, float] = field(default_factory=dict)
+    tier: dict[tuple, TimeBuckets[tuple]] = field(default_factory=dict)
+    """(engine, medium, block state) -> (time, blocks) readings of the offload tier, the largest per bucket."""
     projected: dict[tuple, tuple] = field(default_factory=dict)
     """(engine, pool scale) -> (time, projected prefix-cache hit ratio), the latest reading."""
     held: dict[str, TimeBuckets[tuple]] = field(default_factory=dict)
@@ -152,6 +154,13 @@ class MetricDigest:
     def _device_limit(self, point: Point) -> None:
         self.device_limit[str(point.attributes.get(names.HW_ID_ATTRIBUTE, "gpu"))] = point.value
 
+    def _tier_blocks(self, point: Point) -> None:
+        attributes = point.attributes
+        key = (attributes.get(names.ENGINE_INDEX, 0), attributes.get(names.OFFLOAD_MEDIUM, ""),
+               attributes.get(names.BLOCK_STATE, ""))  # fmt: skip
+        series = self.tier.setdefault(key, TimeBuckets(lambda a, b: max(a, b, key=lambda r: r[1])))
+        series.add(point.time, (point.time, point.value))
+
     def _projected(self, point: Point) -> None:
         scale = point.attributes.get(names.POOL_SCALE)
         if scale is None:
@@ -161,11 +170,15 @@ class MetricDigest:
             self.projected[key] = (point.time, point.value)
 
     def _held(self, point: Point) -> None:
+        if names.OFFLOAD_MEDIUM in point.attributes:  # the offload tier's, not the GPU pool's
+            return
         self.holder_names = self.holder_names or holder_names(point.attributes)
         series = self.held.setdefault(holder(point.attributes), TimeBuckets(lambda a, b: max(a, b, key=lambda r: r[1])))
         series.add(point.time, (point.time, point.value))
 
     def _occupancy(self, point: Point) -> None:
+        if names.OFFLOAD_MEDIUM in point.attributes:
+            return
         engines = self.occupancy.setdefault(holder(point.attributes), {})
         engines.setdefault(point.attributes.get(names.ENGINE_INDEX), CounterSeries()).add(point)
 
@@ -190,6 +203,7 @@ _HANDLERS = {
     **{name: MetricDigest._gate_reading for name in gate.CHECKED},
     names.GPU_MEMORY_USAGE: MetricDigest._device_memory,
     names.GPU_MEMORY_LIMIT: MetricDigest._device_limit,
+    names.OFFLOAD_BLOCKS: MetricDigest._tier_blocks,
     names.PROJECTED_HIT_RATIO: MetricDigest._projected,
     names.HELD_BLOCKS: MetricDigest._held,
     names.OCCUPANCY: MetricDigest._occupancy,

@@ -194,6 +194,37 @@ def device_memory(metrics: MetricDigest, base: TimeBase) -> Figure | None:
     return Figure("device", "Device memory beside it", note, chart, {"device": rows, "device_limit": limits})
 
 
+def offload_tier(metrics: MetricDigest, base: TimeBase) -> Figure | None:
+    """The offload tier's blocks over time, used and free, per engine and medium."""
+    engines = {engine for engine, _, _ in metrics.tier}
+    rows = [
+        {"t": base.seconds(time), "tier": medium if len(engines) == 1 else f"engine {engine} {medium}",
+         "state": state, "blocks": value}
+        for (engine, medium, state), buckets in sorted(metrics.tier.items(), key=lambda item: str(item[0]))
+        for _, _, (time, value) in buckets
+    ]  # fmt: skip
+    if not rows:
+        return None
+    chart = (
+        alt.Chart(alt.NamedData("tier"))
+        .mark_line(interpolate="step-after", point=True)
+        .encode(
+            x=_x(base, time_title(base)),
+            y=alt.Y("blocks:Q", title="offload-tier blocks", axis=alt.Axis(**y_axis())),
+            color=alt.Color("state:N", legend=alt.Legend(orient="right", title="state"), scale=alt.Scale(
+                domain=[names.BLOCK_STATE_USED, names.BLOCK_STATE_FREE], range=[STATE_COLOURS["used"], "#8c8c8c"])),
+            strokeDash=alt.StrokeDash("tier:N", legend=alt.Legend(orient="right", title="tier")),
+            tooltip=[alt.Tooltip("t:Q", title="s"), "tier:N", "state:N", "blocks:Q"],
+        )
+        .properties(width=WIDTH, height=140)
+    )  # fmt: skip
+    note = (
+        f"{names.OFFLOAD_BLOCKS} by state and {names.OFFLOAD_MEDIUM}: the host-memory tier of an offloading "
+        "connector, its stores in flight counted as used."
+    )
+    return Figure("tier", "The offload tier over time", note, chart, {"tier": rows})
+
+
 def what_if(projected: dict[tuple, tuple]) -> Figure | None:
     """The capacity what-if curve: the prefix-cache hit ratio a pool ``scale`` times as large would have had."""
     rows = [

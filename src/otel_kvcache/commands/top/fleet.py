@@ -54,7 +54,8 @@ QUERIES = {
     "stuck_requests": prometheus_names.metric(names.STUCK_REQUESTS),
     "hit_ratio": prometheus_names.metric(names.PROJECTED_HIT_RATIO),
     "preemption_free_scale": prometheus_names.metric(names.PROJECTED_PREEMPTION_FREE_SCALE),
-    "held": prometheus_names.metric(names.HELD_BLOCKS),
+    # The GPU pool's holders: an offload tier's rows carry its medium.
+    "held": f'{prometheus_names.metric(names.HELD_BLOCKS)}{{{prometheus_names.label(names.OFFLOAD_MEDIUM)}=""}}',
 }
 
 

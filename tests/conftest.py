@@ -103,12 +103,12 @@ def export_through_a_helper(monkeypatch, endpoint: str, **variables: str) -> Non
 def prometheus_scrape_of_a_run(make_engine, telemetry) -> tuple[str, list]:
     """(the OpenTelemetry Prometheus exporter's text, the same collection's OpenTelemetry
     metrics) of real engines: requests sharing a prefix in a pool that preempts, a session's
-    second turn, KV transfers on a second engine, the GPU view on its fakes, and a request
-    holding blocks as it is scraped."""
+    second turn, KV transfers on a second engine, a CPU offload tier on a third, the GPU view
+    on its fakes, and a request holding blocks as it is scraped."""
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine_harness import KVTransfers, nixl_both
+    from engine_harness import KVTransfers, OffloadingWorker, nixl_both, offloading
     from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings
     from otel_kvcache.gpu import VLLMGPUInstrumentor
 
@@ -130,6 +130,13 @@ def prometheus_scrape_of_a_run(make_engine, telemetry) -> tuple[str, list]:
         for _ in range(8):
             transfers.add()
         transfers.run()
+        tiered = make_engine(num_blocks=32, data_parallel_rank=2, kv_transfer_config=offloading(8 << 20))
+        worker = OffloadingWorker()
+        for turn in range(2):  # the second loads the first's prefix back from the CPU tier
+            tiered.add(tiered.make_request(f"t{turn}", prompt_len=64, shared_prefix=48, max_tokens=4))
+            while tiered.scheduler.has_requests() or worker.jobs:
+                worker.step(tiered)
+            tiered.scheduler.reset_prefix_cache()
         engine.add(engine.make_request("running", prompt_len=60))  # someone holds blocks as it is scraped
         engine.step()
         text = generate_latest(registry).decode()

@@ -11,7 +11,7 @@ import secrets
 import time
 
 import pytest
-from engine_harness import KVTransfers, nixl_both
+from engine_harness import KVTransfers, OffloadingWorker, nixl_both
 from vllm.config import KVTransferConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
@@ -245,32 +245,6 @@ def test_a_transfer_that_never_ends_is_stuck_then_a_zombie_past_the_connectors_t
     attrs = attributes(telemetry, "d-1")
     assert attrs[names.FINISH_REASON] == "abort"
     assert attrs[names.CONNECTOR_WAIT_SECONDS] >= 0.6
-
-
-class OffloadingWorker:
-    """Plays the offloading connector's workers: each step's store and load jobs (in the
-    scheduler's connector metadata) complete in the next step's output, as vLLM's
-    offloading tests complete them."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[int, tuple[str, str]] = {}
-
-    def take(self, scheduler_output) -> None:
-        metadata = scheduler_output.kv_connector_metadata
-        self.jobs.update((job_id, ("load", job.req_id)) for job_id, job in metadata.load_jobs.items())
-        self.jobs.update((job_id, ("store", job.req_id)) for job_id, job in metadata.store_jobs.items())
-
-    def output(self) -> KVConnectorOutput | None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-
-        if not self.jobs:
-            return None
-        done, self.jobs = self.jobs, {}
-        loaded = {request_id for kind, request_id in done.values() if kind == "load"}
-        return KVConnectorOutput(
-            finished_recving=loaded or None,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1)),
-        )
 
 
 def test_cpu_offloading_loads_a_prefix_back_after_the_gpu_cache_lost_it(make_engine, telemetry):

@@ -1,7 +1,7 @@
 """The offload tier of vLLM's ``OffloadingConnector`` (CPU backend, LRU and ARC), per
 request and as a pool, on the real scheduler with the connector's real scheduler side
 and its real ``CPUOffloadingManager``; the workers are played as vLLM's offloading tests
-play them (``test_connectors.OffloadingWorker``).
+play them (``engine_harness.OffloadingWorker``).
 
 Every number is checked against vLLM: the jobs its scheduler side registers (each
 store's and load's keys and request, ``_jobs``), which keys its manager's policy holds
@@ -15,10 +15,9 @@ import time
 
 import pytest
 from conftest import Telemetry
-from engine_harness import EngineHarness
+from engine_harness import EngineHarness, OffloadingWorker, offloading
 from harness.scheduler import make_scheduler
-from test_connectors import OffloadingWorker, attributes
-from vllm.config import KVTransferConfig
+from test_connectors import attributes
 from vllm.v1.request import RequestStatus
 
 from otel_kvcache import VLLMKVCacheInstrumentor, config, names
@@ -198,10 +197,3 @@ def test_an_engine_without_a_tier_reports_none_of_it(engine, telemetry):
     assert not telemetry.points(names.OFFLOAD_BLOCKS)
     assert not telemetry.points(names.OFFLOAD_STORES)
 
-
-def offloading(cpu_bytes: int, policy: str) -> KVTransferConfig:
-    return KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, "eviction_policy": policy},
-    )

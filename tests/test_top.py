@@ -11,7 +11,7 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
-from engine_harness import EngineHarness, KVTransfers, nixl_both
+from engine_harness import EngineHarness, KVTransfers, OffloadingWorker, nixl_both, offloading
 from harness.scheduler import make_scheduler
 from otel_kvcache import VLLMKVCacheInstrumentor, config, names
 from otel_kvcache.commands.cli import main as cli
@@ -145,8 +145,7 @@ def test_connector_states_are_vllms(model_config, publisher, capsys):
 def test_the_tier_line_is_vllms_offload_tier(model_config, publisher, capsys):
     """An engine with a CPU offload tier: ``top``'s tier is its manager's pool, and what went
     through it is what vLLM's offloading scheduler registered (``test_offload_tier.Ledger``)."""
-    from test_connectors import OffloadingWorker
-    from test_offload_tier import Ledger, offloading
+    from test_offload_tier import Ledger
 
     harness = EngineHarness(make_scheduler(model_config, num_blocks=64, kv_transfer_config=offloading(1 << 20, "lru")))
     connector_scheduler = harness.scheduler.connector.connector_scheduler

@@ -196,6 +196,13 @@ def test_a_hot_wrapper_forwards_arguments_as_given_and_tracebacks_show_its_sourc
         _around("hook", errors, before, after)(original)(object(), "fail", 2, c=3)
     assert raised.value.__context__ is None
     assert reader.get_metrics_data() is None  # none of ours failed
+    # Nor where ours failed first: vLLM's call and its exception stay outside our handler.
+    failing = lambda engine, request: 1 / 0  # noqa: E731
+    with pytest.raises(KeyError, match="vLLM's own") as raised:
+        _around("hook", errors, failing, after)(original)(instrumented, "fail", 2, c=3)
+    assert raised.value.__context__ is None
+    [point] = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
+    assert point.value == 1  # ours, counted
 
 
 def test_every_hot_wrapper_reads_the_engine_by_its_attribute_name():

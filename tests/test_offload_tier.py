@@ -21,6 +21,8 @@ from test_connectors import attributes
 from vllm.v1.request import RequestStatus
 
 from otel_kvcache import VLLMKVCacheInstrumentor, config, names
+from otel_kvcache.engine.connectors import ConnectorTelemetry
+from otel_kvcache.engine.offload_tier import OffloadTier
 
 TIER_BLOCKS = 8
 
@@ -39,6 +41,7 @@ class Ledger:
         self.evictions = self.evicted_unused = 0
         self.resident: set = set()
         self.loaded_since_stored: dict = {}  # key -> loaded since its last store
+        self.owner: dict = {}  # key -> the request whose store job last put it in the tier
 
     def take(self, scheduler_output) -> None:
         metadata = scheduler_output.kv_connector_metadata
@@ -47,6 +50,7 @@ class Ledger:
             if job.is_store:
                 self.stored[job.req_id] = self.stored.get(job.req_id, 0) + len(job.keys)
                 self.loaded_since_stored.update(dict.fromkeys(job.keys, False))
+                self.owner.update(dict.fromkeys(job.keys, job.req_id))
             else:
                 self.loads += len(job.keys)
                 self.loaded_since_stored.update(dict.fromkeys(job.keys, True))
@@ -58,7 +62,8 @@ class Ledger:
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_the_tier_is_its_managers_pool_and_each_request_its_jobs(policy, make_engine, telemetry):
+def test_the_tier_is_its_managers_pool_and_each_request_its_jobs(policy, make_engine, telemetry, monkeypatch):
+    monkeypatch.setenv(config.ATTRIBUTION, names.PRIORITY)  # whose blocks: by priority, read as an engine starts
     # A tier's block takes what its spec says (the model's KV bytes per block, aligned): read
     # off a first engine's, which then goes, so that its tier is not reported beside the next.
     probe = make_engine(num_blocks=64, kv_transfer_config=offloading(1 << 30, policy))
@@ -73,6 +78,9 @@ def test_the_tier_is_its_managers_pool_and_each_request_its_jobs(policy, make_en
     worker, ledger = OffloadingWorker(), Ledger(connector_scheduler)
     medium = {names.OFFLOAD_MEDIUM: "cpu"}
     waits = {}  # request id -> (seconds before the step that parked it, after the step that freed it)
+
+    def tier_holders() -> dict:
+        return tier_holders_of(telemetry)
 
     def tier_metrics() -> dict:
         blocks = {p.attributes[names.BLOCK_STATE]: p.value for p in telemetry.points(names.OFFLOAD_BLOCKS)}
@@ -104,10 +112,10 @@ def test_the_tier_is_its_managers_pool_and_each_request_its_jobs(policy, make_en
     engine.add(engine.make_request("a", 80, shared_prefix=80, max_tokens=4))  # 5 blocks stored
     run()
     assert engine.scheduler.reset_prefix_cache()  # the GPU's copy is gone, the tier's stays
-    engine.add(engine.make_request("b", 96, shared_prefix=80, max_tokens=4))  # loads a's 5, stores 1
+    engine.add(engine.make_request("b", 96, shared_prefix=80, max_tokens=4, priority=1))  # loads a's 5, stores 1
     run()
-    for request_id in ("c", "d", "e"):  # 4 blocks each, unique: the tier evicts
-        engine.add(engine.make_request(request_id, 64, max_tokens=2))
+    for request_id, priority in (("c", 0), ("d", 1), ("e", 1)):  # 4 blocks each, unique: the tier evicts
+        engine.add(engine.make_request(request_id, 64, max_tokens=2, priority=priority))
         run()
     assert engine.scheduler.reset_prefix_cache()
     engine.add(engine.make_request("f", 80, shared_prefix=80, max_tokens=2))  # a's prefix again, if it stayed
@@ -143,6 +151,30 @@ def test_the_tier_is_its_managers_pool_and_each_request_its_jobs(policy, make_en
     assert attributes(telemetry, "b")[names.OFFLOAD_HIT_TOKENS] == 80 and "b" in waits
     hits = sum(engine.truth.external_cached_tokens.values())
     assert telemetry.total(names.CONNECTOR_HIT_TOKENS) == hits  # the tier's hits are the connector's
+
+    # Whose blocks the tier holds, after its evictions: those of the requests that stored them.
+    held_by_priority = {}
+    for key in ledger.resident:
+        priority = engine.requests[ledger.owner[key]].priority
+        held_by_priority[priority] = held_by_priority.get(priority, 0) + 1
+    assert len(held_by_priority) == 2
+    assert tier_holders() == held_by_priority
+
+    # vLLM resets the tier: its blocks go, and they were no evictions.
+    counted = {name: telemetry.total(name, **medium) for name in (names.OFFLOAD_EVICTIONS, names.OFFLOAD_STORES)}
+    connector_scheduler.reset_cache()
+    assert tier_metrics()[names.BLOCK_STATE_USED] == manager._num_chunks - manager._get_num_free_chunks() == 0
+    assert set(tier_holders().values()) == {0}
+    assert {name: telemetry.total(name, **medium) for name in counted} == counted
+
+
+def tier_holders_of(telemetry) -> dict:
+    """The tier's rows of ``vllm.kv_cache.held_blocks``, by priority."""
+    return {
+        p.attributes[names.PRIORITY]: p.value
+        for p in telemetry.points(names.HELD_BLOCKS)
+        if p.attributes.get(names.OFFLOAD_MEDIUM) == "cpu"
+    }
 
 
 def test_the_tiers_blocks_are_the_storing_requests_by_series(model_config, monkeypatch):
@@ -180,7 +212,7 @@ def test_the_tiers_blocks_are_the_storing_requests_by_series(model_config, monke
                 if p.attributes.get(names.OFFLOAD_MEDIUM) == "cpu"
             }
 
-        assert tier_series(names.HELD_BLOCKS) == held_by_priority
+        assert tier_holders_of(telemetry) == held_by_priority
         before, start = tier_series(names.OCCUPANCY), time.monotonic()
         time.sleep(0.5)
         after, elapsed = tier_series(names.OCCUPANCY), time.monotonic() - start
@@ -188,6 +220,53 @@ def test_the_tiers_blocks_are_the_storing_requests_by_series(model_config, monke
             assert after[priority] - before[priority] == pytest.approx(blocks * elapsed, rel=0.1)
     finally:
         instrumentor.uninstrument()
+
+
+def test_the_tiers_failures_are_counted_and_vllm_decides_as_it_does_without_them(model_config, monkeypatch):
+    """Our tier code failing at every hook, or as the engine starts: vLLM's jobs and requests
+    are what they are with it working, the failures are counted by hook point, and the
+    rest of the engine's telemetry goes on (its spans)."""
+
+    def run() -> tuple[Telemetry, Ledger, list]:
+        telemetry, instrumentor = Telemetry(), VLLMKVCacheInstrumentor()
+        instrumentor.instrument(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+        try:
+            engine = EngineHarness(make_scheduler(model_config, num_blocks=64, kv_transfer_config=offloading(1 << 20)))
+            worker, ledger = OffloadingWorker(), Ledger(engine.scheduler.connector.connector_scheduler)
+            for request_id in ("a", "b"):  # b loads a's prefix back from the tier
+                engine.add(engine.make_request(request_id, 80, shared_prefix=64, max_tokens=4))
+                while engine.scheduler.has_requests() or worker.jobs:
+                    ledger.take(worker.step(engine))
+                assert engine.scheduler.reset_prefix_cache()
+            requests = engine.requests.values()
+            return telemetry, ledger, [(r.request_id, list(r.output_token_ids), r.num_computed_tokens) for r in requests]
+        finally:
+            instrumentor.uninstrument()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure in otel-kvcache")
+
+    working, ledger, outcome = run()
+    assert ledger.loads and working.total(names.INSTRUMENTATION_ERRORS) == 0
+    with monkeypatch.context() as patched:
+        for method in ("on_store_prepared", "on_load_prepared", "on_store_completed", "on_reset"):
+            patched.setattr(OffloadTier, method, fail)
+        failing, failing_ledger, failing_outcome = run()
+    assert (failing_outcome, failing_ledger.stored, failing_ledger.loads) == (outcome, ledger.stored, ledger.loads)
+    hooks = {p.attributes[names.HOOK] for p in failing.points(names.INSTRUMENTATION_ERRORS)}
+    assert {"OffloadingManager.prepare_store", "OffloadingManager.prepare_load"} <= hooks
+    assert set(failing.span_by_request()) == {"a", "b"}
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ConnectorTelemetry, "watch_offload_tier", fail)
+        unwatched, _, unwatched_outcome = run()
+    assert unwatched_outcome == outcome
+    assert {p.attributes[names.HOOK] for p in unwatched.points(names.INSTRUMENTATION_ERRORS)} == {
+        "Scheduler.__init__ (offload tier)"
+    }
+    assert not unwatched.points(names.OFFLOAD_BLOCKS)
+    assert set(unwatched.span_by_request()) == {"a", "b"}  # the connector's view and the rest go on
+    assert unwatched.span_by_request()["b"].attributes[names.CONNECTOR_HIT_TOKENS] == 64
 
 
 def test_an_engine_without_a_tier_reports_none_of_it(engine, telemetry):

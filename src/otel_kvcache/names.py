@@ -116,7 +116,7 @@ PRIORITY: Final = "vllm.request.priority"
 OCCUPANCY: Final = "vllm.kv_cache.occupancy"
 """Span attribute, block-seconds (double): the blocks the request held, integrated over its
 life. Also a counter, ``{block}.s``, by the attribution attributes, live requests included
-up to each collection."""
+up to each collection; rows with ``vllm.kv_cache.offload.medium`` are the offload tier's."""
 SESSION_TURN_GAP: Final = "vllm.kv_cache.session.turn_gap"
 """Span attribute, seconds: for a request of a session this engine has seen, from that
 session's previous request's release here to this request's arrival. Also a histogram,
@@ -126,7 +126,8 @@ SESSION_PREFIX_KEPT: Final = "vllm.kv_cache.session.prefix_kept"
 tokens missed the prefix cache because they had been evicted."""
 HELD_BLOCKS: Final = "vllm.kv_cache.held_blocks"
 """Observable gauge, ``{block}``: blocks live requests hold now, by the attribution
-attributes; a block k requests share counts 1/k to each, so the series sum to the used blocks."""
+attributes; a block k requests share counts 1/k to each, so the series sum to the used blocks.
+Rows with ``vllm.kv_cache.offload.medium`` are the offload tier's blocks, by who stored them."""
 METRIC_OVERFLOW: Final = "otel.metric.overflow"
 """The attribution series past ``OTEL_KVCACHE_ATTRIBUTION_LIMIT``, folded into one, as the
 OpenTelemetry metrics SDK marks its own cardinality overflow."""

@@ -258,13 +258,6 @@ class Attribution:
             (self.named(key), blocks) for key, blocks in sorted(by_key.items(), key=lambda item: -item[1])
         ]
 
-    def by_series(self, by_key: dict[Key, float], more_attributes: Mapping[str, Any]) -> list[tuple[dict, float]]:
-        """Values by key (the offload tier's: ``offload_tier.py``), summed by series, with more attributes."""
-        return [
-            ({**self.attributes_of(series), **more_attributes}, value)
-            for series, value in self._by_series(by_key).items()
-        ]
-
     def named(self, key: Key) -> dict[str, Any]:
         """A key's attribution attributes by name, those without a value left out."""
         return {name: value for name, value in zip(self.attribute_names, key) if value is not None}

@@ -110,12 +110,19 @@ class ConnectorTelemetry:
         self._waiting = waiting_for_remote_kvs_status()
         self._handing_kv_on = statuses_handing_kv_on()
         self._hands_on_in_parameters = hands_kv_on_in_parameters(kv_connector(scheduler))
-        tier = offload_tier_manager(scheduler)
-        self.tier = None if tier is None else OffloadTier(tier, tier_bytes_per_block(scheduler), self._attribution_key)
-        """The connector's offload tier, where it keeps one we can read."""
+        self.tier: OffloadTier | None = None
+        """The connector's offload tier, where it keeps one we can read (``watch_offload_tier``)."""
 
-    def _attribution_key(self, request_id: str) -> Any:
-        return self.engine.attribution.key_of_live(self.engine.scheduler_requests.get(request_id))
+    def watch_offload_tier(self, scheduler: Any) -> None:
+        """Where the connector keeps an offload tier we can read, its telemetry; apart from the
+        connector's, so that a tier we cannot read costs the tier's view only."""
+        manager = offload_tier_manager(scheduler)
+        if manager is not None:
+            self.tier = OffloadTier(manager, tier_bytes_per_block(scheduler), self._attribution_series)
+
+    def _attribution_series(self, request_id: str) -> Any:
+        attribution = self.engine.attribution
+        return attribution.series_of(attribution.key_of_live(self.engine.scheduler_requests.get(request_id)))
 
     # --- hooks -------------------------------------------------------------------
 

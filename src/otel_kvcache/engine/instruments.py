@@ -87,7 +87,8 @@ class KVCacheInstruments:
             (names.EVICTION_AGE_MAX, "s", "Oldest prefix-cache block evicted since the previous collection.",
              self._observe_eviction_age_max),
             (names.HELD_BLOCKS, "{block}", "Blocks live requests hold now, a block shared by k requests counting 1/k "
-             "to each.", self._observe_held_blocks),
+             "to each; with vllm.kv_cache.offload.medium, the offload tier's blocks by who stored them.",
+             self._observe_held_blocks),
         ):  # fmt: skip
             meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
         meter.create_observable_counter(
@@ -151,7 +152,8 @@ class KVCacheInstruments:
         # Who holds the pool, by the attribution series (attribution.py).
         meter.create_observable_counter(
             names.OCCUPANCY, callbacks=[self._observe_occupancy], unit="{block}.s",
-            description="Block-seconds held by requests, live ones included up to each collection.",
+            description="Block-seconds held by requests, live ones included up to each collection; with "
+            "vllm.kv_cache.offload.medium, the offload tier's.",
         )  # fmt: skip
         for name, unit, description, field in _FINDING_GAUGES:
             read = attrgetter(f"reconciler.report.{field}")
@@ -180,8 +182,11 @@ class KVCacheInstruments:
         tier = engine.connectors.tier if engine.connectors is not None else None
         if tier is None:
             return []
-        by_owner = {owner: held if blocks else seconds for owner, held, seconds in tier.holdings()}
-        return engine.attribution.by_series(by_owner, {names.OFFLOAD_MEDIUM: tier.medium})
+        attributes_of, medium = engine.attribution.attributes_of, {names.OFFLOAD_MEDIUM: tier.medium}
+        return [
+            ({**attributes_of(series), **medium}, held if blocks else seconds)
+            for series, held, seconds in tier.holdings()
+        ]
 
     def _observe_eviction_age_max(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):

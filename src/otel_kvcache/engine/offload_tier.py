@@ -17,9 +17,12 @@ are kept, as many as the tier holds blocks at most. The pool's used and free blo
 are the manager's own counts, read when the metric reader collects.
 
 Whose blocks the tier holds: each block stored is the storing request's, by its
-attribution key (``attribution.py``: model, priority, tenant), until it leaves the tier;
-the blocks each key holds, and their block-nanoseconds, change only when a store, an
-eviction, a failed store or a reset does.
+attribution series (``attribution.py``: model, priority, tenant, within the series limit),
+until it leaves the tier; the blocks each series holds, and their block-nanoseconds, change
+only when a store, an eviction, a failed store or a reset does. vLLM may store a request's
+last blocks on the step after its release (decode blocks, a sliding window's tail): the
+series of the last ``RECENTLY_RELEASED`` released requests are kept for those. Such stores
+are counted for the pool and its holders, not on the request's span, built at its release.
 
 The hit tokens and the load wait of a request are its connector's
 (``ConnectorTally``): with an offloading connector, what it loads comes from the tier.
@@ -28,10 +31,15 @@ The hit tokens and the load wait of a request are its connector's
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 from otel_kvcache.vllm_compat.offload_tier import request_id_of, store_keys, tier_blocks, tier_medium
+
+
+RECENTLY_RELEASED = 1024
+"""Released requests whose attribution series a late store of theirs finds."""
 
 
 class OffloadTier:
@@ -46,11 +54,12 @@ class OffloadTier:
         self.stored_by_request: dict[str, int] = {}
         self._not_loaded_since_stored: set[Any] = set()
         self._owner_of = owner_of
-        """A live request's attribution key, by its id."""
+        """A request's attribution series, by its id (as many series as the attribution admits)."""
         self._owner_of_request: dict[str, Hashable] = {}
+        self._owner_of_released: OrderedDict[str, Hashable] = OrderedDict()
         self._owner_of_block: dict[Any, Hashable] = {}
         self.held: dict[Hashable, Holding] = {}
-        """The blocks each attribution key holds in the tier, and their block-nanoseconds."""
+        """The blocks each attribution series holds in the tier, and their block-nanoseconds."""
         self._reported_block_ns: dict[Hashable, int] = {}
 
     # --- hooks (the manager's, after vLLM's call) ----------------------------------
@@ -75,7 +84,9 @@ class OffloadTier:
             self._not_loaded_since_stored.update(accepted)
             owner = self._owner_of_request.get(request_id)
             if owner is None:
-                owner = self._owner_of_request[request_id] = self._owner_of(request_id)
+                owner = self._owner_of_released.get(request_id)
+                if owner is None:
+                    owner = self._owner_of_request[request_id] = self._owner_of(request_id)
             self._holding(owner, now_ns).blocks += len(accepted)
             self._owner_of_block.update(dict.fromkeys(accepted, owner))
 
@@ -113,7 +124,12 @@ class OffloadTier:
 
     def stored_blocks(self, request_id: str) -> int:
         """The request's blocks the tier accepted, as its record leaves (``ConnectorSummary``)."""
-        self._owner_of_request.pop(request_id, None)
+        owner = self._owner_of_request.pop(request_id, None)
+        if owner is not None:
+            released = self._owner_of_released
+            released[request_id] = owner
+            if len(released) > RECENTLY_RELEASED:
+                released.popitem(last=False)
         return self.stored_by_request.pop(request_id, 0)
 
     def forget_departed(self, live: Mapping[str, Any]) -> None:
@@ -128,7 +144,7 @@ class OffloadTier:
         return tier_blocks(self.manager)
 
     def holdings(self) -> list[tuple[Hashable, int, float]]:
-        """Each attribution key's blocks in the tier now, and their block-seconds so far."""
+        """Each attribution series' blocks in the tier now, and their block-seconds so far."""
         now_ns, reported = time.monotonic_ns(), self._reported_block_ns
         holdings = []
         for owner, holding in list(self.held.items()):  # one C call: safe against the engine thread
@@ -140,7 +156,7 @@ class OffloadTier:
 
 
 class Holding:
-    """One attribution key's blocks in the tier, and their block-nanoseconds up to ``since_ns``."""
+    """One attribution series' blocks in the tier, and their block-nanoseconds up to ``since_ns``."""
 
     __slots__ = ("blocks", "block_ns", "since_ns")
 

@@ -36,8 +36,11 @@ def offload_tier_manager(scheduler: Any) -> Any | None:
 def tier_blocks(manager: Any) -> tuple[int, int]:
     """The tier's used and free blocks (chunks), as the manager counts them when it
     allocates: a chunk whose store is in flight is used."""
-    free = manager._get_num_free_chunks()
-    return manager._num_chunks - free, free
+    capacity = manager._num_chunks
+    # Read on the metric reader's thread: a reset under way may show its free list cleared
+    # and not yet its allocations, for a moment.
+    free = min(max(manager._get_num_free_chunks(), 0), capacity)
+    return capacity - free, free
 
 
 def tier_medium(manager: Any) -> str:

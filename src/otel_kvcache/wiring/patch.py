@@ -152,19 +152,18 @@ def _around(
             engine = self._otel_kvcache_engine
         except AttributeError:
             engine = None
-        if engine is None:
-            return original(self, *args, **kwargs)
-        try:
-            first_argument = args[0]
-            state = before(engine, first_argument)
-        except Exception as exc:  # ours, never vLLM's
-            errors.count(hook, exc)
-            return original(self, *args, **kwargs)
-        result = original(self, *args, **kwargs)
-        try:
-            after(engine, first_argument, state)
-        except Exception as exc:  # ours, never vLLM's
-            errors.count(hook, exc)
+        if engine is not None:
+            try:
+                state = before(engine, args[0])
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
+                engine = None  # and nothing after
+        result = original(self, *args, **kwargs)  # outside the handlers: vLLM's exceptions chain none of ours
+        if engine is not None:
+            try:
+                after(engine, args[0], state)
+            except Exception as exc:  # ours, never vLLM's
+                errors.count(hook, exc)
         return result
 
     return method
@@ -333,6 +332,10 @@ def scheduler_init_wrapper(
             engine = EngineTelemetry(instance, record_sink_for(), errors)
             if kv_connector(instance) is not None:
                 engine.connectors = ConnectorTelemetry(engine, instance)
+                try:
+                    engine.connectors.watch_offload_tier(instance)
+                except Exception as exc:  # noqa: BLE001 - a tier we cannot read: the rest goes on
+                    errors.count(f"{hook} (offload tier)", exc)
                 patch_connector_hooks(instance, engine.connectors, errors)
             _feeds(instance, engine)
             instruments.engines.add(engine)  # its gauges are read once its hooks feed it

@@ -1,7 +1,7 @@
-"""``otel-kvcache top`` as an operator runs it, against an instrumented process of two
+"""``otel-kvcache top`` as an operator runs it, against an instrumented process of three
 engines under load (``tests/metrics_source.py``: the real scheduler, one engine with
-vLLM's NIXL connector): fleet mode against a real Prometheus, the live view in a real
-terminal (tmux), and the engines once their process is killed."""
+vLLM's NIXL connector, one with a CPU offload tier): fleet mode against a real Prometheus,
+the live view in a real terminal (tmux), and the engines once their process is killed."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.host_tools
 
 SOURCE = Path(__file__).resolve().parent / "metrics_source.py"
 TENANT = "tenant"
+ENGINES = 3
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def source(tmp_path_factory):
     try:
         wait_for_url(f"http://127.0.0.1:{port}/metrics", 120)
         deadline = time.monotonic() + 60
-        while len(list(directory.glob("engine-*.json"))) < 2 and time.monotonic() < deadline:
+        while len(list(directory.glob("engine-*.json"))) < ENGINES and time.monotonic() < deadline:
             time.sleep(0.5)
         yield process, port, environment
     finally:
@@ -64,7 +65,7 @@ def test_fleet_mode_shows_every_engine_prometheus_scrapes(source, tmp_path):
         while time.monotonic() < deadline:
             scraped = {s["metric"]["vllm_engine_index"] for s in prometheus.api("query", query="vllm_kv_cache_blocks")["result"]}
             held = prometheus.api("query", query="vllm_kv_cache_held_blocks")["result"]
-            if scraped == {"0", "1"} and held:
+            if scraped == {str(index) for index in range(ENGINES)} and held:
                 break
             time.sleep(1)
         frame = top_json(environment, "--prometheus", prometheus.url)
@@ -73,7 +74,7 @@ def test_fleet_mode_shows_every_engine_prometheus_scrapes(source, tmp_path):
         text = top(environment, "--once", "--prometheus", prometheus.url).stdout
     assert frame["source"] == prometheus.url
     engines = {e["engine"]: e for e in frame["engines"]}
-    assert sorted(engines) == [0, 1]
+    assert sorted(engines) == list(range(ENGINES))
     for index, engine in engines.items():
         assert engine["replica"] == {"job": "vllm-kv", "instance": f"127.0.0.1:{port}"}
         pool = engine["pool"]
@@ -83,7 +84,7 @@ def test_fleet_mode_shows_every_engine_prometheus_scrapes(source, tmp_path):
     # Engine 0's requests carry a tenant in their baggage: its holders are by model and tenant.
     tenants = {h["attributes"].get(TENANT) for h in engines[0]["holders"]}
     assert tenants <= {"team-a", "team-b", None} and tenants & {"team-a", "team-b"}
-    assert "engine 0" in text and "engine 1" in text and "\x1b[" not in text  # no colour into a pipe
+    assert all(f"engine {index}" in text for index in range(ENGINES)) and "\x1b[" not in text  # no colour into a pipe
 
 
 def capture(session: str, colours: bool = False) -> str:
@@ -140,13 +141,13 @@ def test_the_live_view_in_a_terminal_sorts_filters_and_quits(source):
 def test_a_killed_engine_shows_as_stale_then_goes(source):
     process, port, environment = source
     directory = Path(environment[config.TOP_DIR])
-    assert [e["stale"] for e in top_json(environment)["engines"]] == [False, False]
+    assert [e["stale"] for e in top_json(environment)["engines"]] == [False] * ENGINES
     process.kill()
     process.wait(30)
     deadline = time.monotonic() + 30
     while True:
         engines = top_json(environment)["engines"]
-        if [e["stale"] for e in engines] == [True, True]:
+        if [e["stale"] for e in engines] == [True] * ENGINES:
             break
         assert time.monotonic() < deadline, engines
         time.sleep(0.5)

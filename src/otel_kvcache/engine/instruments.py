@@ -179,7 +179,7 @@ class KVCacheInstruments:
     @staticmethod
     def _tier_series(engine: EngineTelemetry, blocks: bool) -> list[tuple[dict, float]]:
         """The blocks the engine's offload tier holds now (or their block-seconds), by series."""
-        tier = engine.connectors.tier if engine.connectors is not None else None
+        tier = engine.offload_tier
         if tier is None:
             return []
         attributes_of, medium = engine.attribution.attributes_of, {names.OFFLOAD_MEDIUM: tier.medium}
@@ -212,7 +212,7 @@ class KVCacheInstruments:
     def _tiers(self) -> Iterable[tuple[dict[str, Any], OffloadTier]]:
         """The engines' offload tiers, each with its metric attributes."""
         for engine in list(self.engines):
-            tier = engine.connectors.tier if engine.connectors is not None else None
+            tier = engine.offload_tier
             if tier is not None:
                 yield {**engine.attributes, names.OFFLOAD_MEDIUM: tier.medium}, tier
 

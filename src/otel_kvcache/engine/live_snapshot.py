@@ -231,7 +231,7 @@ class SnapshotPublisher:
             "connector": None if connectors is None else dict(
                 zip(("held_blocks", "held_requests", "held_age_max_s"), connectors.held_readings())
             ),
-            "offload": None if connectors is None or connectors.tier is None else _tier(connectors.tier),
+            "offload": None if engine.offload_tier is None else _tier(engine.offload_tier),
             "whatif": {
                 "hit_ratio": {f"{scale:g}": ratio for scale, ratio in engine.reuse.projected_hit_ratios().items()},
                 "preemption_free_scale": engine.reuse.preemption_free_scale(),

@@ -102,6 +102,7 @@ from otel_kvcache.vllm_compat.schedule_frame import allocation_failed, allocatio
 
 if TYPE_CHECKING:
     from otel_kvcache.engine.connectors import ConnectorTelemetry
+    from otel_kvcache.engine.offload_tier import OffloadTier
 
 
 PACKING = "tally_packing"
@@ -527,6 +528,11 @@ class EngineTelemetry:
         if succeeded:
             self.pool.on_reset()
             self.reuse.on_reset()
+
+    @property
+    def offload_tier(self) -> OffloadTier | None:
+        """The connector's offload tier, where the engine has one we can read (``offload_tier.py``)."""
+        return self.connectors.tier if self.connectors is not None else None
 
     @property
     def pool_counts(self) -> PoolCounts:

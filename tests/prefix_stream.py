@@ -10,10 +10,11 @@ the same prompts arrive at the same steps whatever the pool's size.
 
 from __future__ import annotations
 
+import functools
 import random
 import tempfile
 
-from engine_harness import EngineHarness
+from engine_harness import EngineHarness, OffloadingWorker, offloading
 from harness.scheduler import LAYOUTS, VOCAB_SIZE, make_model_config, make_scheduler
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
@@ -50,8 +51,12 @@ def prompts(count: int = 900, seed: int = 7) -> list[list[int]]:
     return stream
 
 
-def replay(engine: EngineHarness, stream: list[list[int]] | None = None) -> EngineHarness:
-    """Feeds the stream (or ``stream``) to ``engine``, ``ARRIVALS_PER_STEP`` requests a step, to the end."""
+def replay(
+    engine: EngineHarness, stream: list[list[int]] | None = None, worker: OffloadingWorker | None = None
+) -> EngineHarness:
+    """Feeds the stream (or ``stream``) to ``engine``, ``ARRIVALS_PER_STEP`` requests a step, to the end;
+    with an offload tier, its ``worker`` completes the tier's stores and loads a step later."""
+    step = engine.step if worker is None else functools.partial(worker.step, engine)
     for index, prompt in enumerate(prompts() if stream is None else stream):
         engine.add(
             Request(
@@ -63,9 +68,12 @@ def replay(engine: EngineHarness, stream: list[list[int]] | None = None) -> Engi
             )
         )
         if index % ARRIVALS_PER_STEP == ARRIVALS_PER_STEP - 1:
-            engine.step()
-    engine.run(5000)
-    return engine
+            step()
+    for _ in range(5000):
+        if not (engine.scheduler.has_requests() or (worker is not None and worker.jobs)):
+            return engine
+        step()
+    raise AssertionError("requests still unfinished after 5000 steps")
 
 
 def measured_hit_ratio(num_blocks: int) -> float:
@@ -84,3 +92,15 @@ def measured_hybrid_hit_ratio(num_blocks: int, layout: str) -> float:
     )
     engine = replay(EngineHarness(scheduler), prompts(count=HYBRID_REQUESTS))
     return engine.truth.prefix_hits / engine.truth.prefix_queries
+
+
+def measured_tier_hit_ratio(gpu_blocks: int, tier_bytes: int | None) -> float:
+    """vLLM's own hit ratio for the stream, its GPU pool's prefix hits and its offload tier's
+    together (``PrefixCacheStats`` and the connector's), on an uninstrumented pool of
+    ``gpu_blocks`` with an LRU tier of ``tier_bytes`` (None: no tier); run in a fresh process."""
+    transfer = None if tier_bytes is None else offloading(tier_bytes, "lru")
+    scheduler = make_scheduler(
+        make_model_config(tempfile.mkdtemp()), num_blocks=gpu_blocks, max_num_seqs=32, kv_transfer_config=transfer
+    )
+    engine = replay(EngineHarness(scheduler), worker=None if transfer is None else OffloadingWorker())
+    return (engine.truth.prefix_hits + engine.truth.connector_hits) / engine.truth.prefix_queries

@@ -11,8 +11,10 @@ after each step, its capacity, and the request's prefill stats and statuses.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import time
 
+import prefix_stream
 import pytest
 from conftest import Telemetry
 from engine_harness import EngineHarness, OffloadingWorker, offloading
@@ -276,3 +278,57 @@ def test_an_engine_without_a_tier_reports_none_of_it(engine, telemetry):
     assert not telemetry.points(names.OFFLOAD_BLOCKS)
     assert not telemetry.points(names.OFFLOAD_STORES)
 
+
+
+TIER_SCALE_BLOCKS = 1200
+"""The instrumented replay's tier: twice its GPU pool (``prefix_stream.POOL_BLOCKS``)."""
+TIER_TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", None], ids=["lru", "arc", "no-tier"])
+def test_the_tier_what_if_is_what_vllm_serves_with_tiers_of_those_sizes(policy, make_engine, telemetry, capsys):
+    """The stream replayed through real schedulers with real LRU tiers of each size (in
+    processes of their own, uninstrumented), against the projection of one instrumented
+    replay: with a tier of ``TIER_SCALE_BLOCKS`` (LRU, or ARC, projected as LRU), or with none,
+    whose projection is of a first tier, in multiples of the GPU pool."""
+    probe = make_engine(num_blocks=64, kv_transfer_config=offloading(1 << 30))
+    bytes_per_block = probe.scheduler.connector.connector_scheduler._otel_kvcache_tier_bytes_per_block
+    del probe
+    gc.collect()
+    if policy is None:  # scale: the GPU pool's bytes (its blocks, as the tier's take as many bytes)
+        checked, scale_blocks = (1.0, 2.0, 4.0), prefix_stream.POOL_BLOCKS
+    else:
+        checked, scale_blocks = (0.0, 0.5, 1.0, 2.0, 4.0), TIER_SCALE_BLOCKS
+    tier_bytes = {scale: int(scale * scale_blocks) * bytes_per_block for scale in checked}
+    with multiprocessing.get_context("spawn").Pool(2) as pool:  # uninstrumented: a process of their own
+        measured = pool.starmap_async(
+            prefix_stream.measured_tier_hit_ratio,
+            [(prefix_stream.POOL_BLOCKS, tier_bytes[scale] or None) for scale in checked],
+        )
+        transfer = None if policy is None else offloading(tier_bytes[1.0], policy)
+        engine = make_engine(num_blocks=prefix_stream.POOL_BLOCKS, max_num_seqs=32, kv_transfer_config=transfer)
+        prefix_stream.replay(engine, worker=None if policy is None else OffloadingWorker())
+        measured = dict(zip(checked, measured.get(timeout=900)))
+
+    projected = {p.attributes[names.OFFLOAD_SCALE]: p.value for p in telemetry.points(names.OFFLOAD_PROJECTED_HIT_RATIO)}
+    sizes = {p.attributes[names.OFFLOAD_SCALE]: p.value for p in telemetry.points(names.OFFLOAD_PROJECTED_SIZE)}
+    if policy is None:
+        assert sorted(projected) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+        [pool_bytes] = [p.value for p in telemetry.points(names.KV_MEMORY_LIMIT)]
+        assert sizes == {scale: round(scale * pool_bytes) for scale in projected}
+        assert not telemetry.points(names.OFFLOAD_BLOCKS)
+    else:
+        assert engine.scheduler.connector.connector_scheduler.manager._num_chunks == TIER_SCALE_BLOCKS
+        assert sorted(projected) == [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+        [limit] = telemetry.points(names.OFFLOAD_MEMORY_LIMIT)
+        assert sizes == {scale: round(scale * limit.value) for scale in projected}
+        assert all(p.attributes[names.OFFLOAD_MEDIUM] == "cpu" for p in telemetry.points(names.OFFLOAD_PROJECTED_SIZE))
+        happened = (engine.truth.prefix_hits + engine.truth.connector_hits) / engine.truth.prefix_queries
+        assert abs(projected[1.0] - happened) < 0.01
+    with capsys.disabled():  # docs/telemetry.md quotes these
+        print(f"\n{policy or 'no'} tier: scale  projected  measured by vLLM (LRU)")
+        for scale in checked:
+            print(f"{scale:16}  {projected[scale]:.3f}      {measured[scale]:.3f}")
+    assert measured[4.0] - measured[checked[0]] > 0.15, "the stream must make the tier's size matter"
+    for scale in checked:
+        assert abs(projected[scale] - measured[scale]) < TIER_TOLERANCE, (scale, projected, measured)

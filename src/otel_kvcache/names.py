@@ -318,6 +318,15 @@ OFFLOAD_EVICTIONS: Final = "vllm.kv_cache.offload.evictions"
 OFFLOAD_EVICTED_UNUSED: Final = "vllm.kv_cache.offload.evicted_unused"
 """Observable counter, ``{block}``: of those, the blocks never loaded back since they were stored: the
 tier's waste."""
+OFFLOAD_PROJECTED_HIT_RATIO: Final = "vllm.kv_cache.offload.projected_hit_ratio"
+"""Observable gauge, ``1``: the share of looked-up prompt tokens the GPU pool and a tier
+``OFFLOAD_SCALE`` times today's would together have served, over the last ten minutes
+(``engine/tier_whatif.py``). On an engine with no tier, the scale is a multiple of the GPU pool's bytes."""
+OFFLOAD_PROJECTED_SIZE: Final = "vllm.kv_cache.offload.projected_size"
+"""Observable gauge, ``By``: the bytes of the tier each ``OFFLOAD_SCALE`` stands for."""
+OFFLOAD_SCALE: Final = "vllm.kv_cache.offload.scale"
+"""Attribute of ``OFFLOAD_PROJECTED_HIT_RATIO`` and ``OFFLOAD_PROJECTED_SIZE``: the tier's size as a multiple
+of today's (0: no tier), or on an engine with no tier, of the GPU pool's bytes."""
 
 # --- otel-kvcache's own health -----------------------------------------------------
 

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Protocol
 
 from otel_kvcache import config, names
 from otel_kvcache.engine.offload_tier import OffloadTier
+from otel_kvcache.engine.sampling import default_sample_rate
 from otel_kvcache.trace_context import remote_span_context, traceparent_for
 from otel_kvcache.vllm_compat.kv_transfer import (
     block_ids_of,
@@ -42,7 +43,7 @@ from otel_kvcache.vllm_compat.kv_transfer import (
     statuses_handing_kv_on,
     waiting_for_remote_kvs_status,
 )
-from otel_kvcache.vllm_compat.offload_tier import offload_tier_manager, tier_bytes_per_block
+from otel_kvcache.vllm_compat.offload_tier import offload_tier_manager, tier_bytes_per_block, tier_capacity_blocks
 
 
 class Engine(Protocol):
@@ -118,7 +119,12 @@ class ConnectorTelemetry:
         connector's, so that a tier we cannot read costs the tier's view only."""
         manager = offload_tier_manager(scheduler)
         if manager is not None:
-            self.tier = OffloadTier(manager, tier_bytes_per_block(scheduler), self._attribution_series)
+            reuse = self.engine.reuse
+            tier = OffloadTier(manager, tier_bytes_per_block(scheduler), self._attribution_series, reuse.on_tier_reset)
+            rate = config.whatif_sample_rate()
+            capacity = tier_capacity_blocks(scheduler, manager)
+            reuse.measure_tier(capacity, default_sample_rate(capacity) if rate is None else rate)
+            self.tier = tier
 
     def _attribution_series(self, request_id: str) -> Any:
         attribution = self.engine.attribution
@@ -139,6 +145,8 @@ class ConnectorTelemetry:
                     tally.producer_traceparent = traceparent
         tally.hit_tokens += num_external_tokens
         self.hit_tokens += num_external_tokens
+        if self.tier is not None:  # the admission's lookup, recorded next, reads it (tier_whatif.py)
+            self.tier.admitted_tokens[request.request_id] = num_external_tokens
         self._admitted.append(tally)
 
     def after_schedule(self) -> None:

@@ -139,6 +139,15 @@ class KVCacheInstruments:
             names.OFFLOAD_MEMORY_LIMIT, callbacks=[self._observe_tier_memory_limit], unit="By",
             description="Bytes of the offload tier's blocks.",
         )  # fmt: skip
+        meter.create_observable_gauge(
+            names.OFFLOAD_PROJECTED_HIT_RATIO, callbacks=[self._observe_tier_projection], unit="1",
+            description="Share of the last ten minutes' looked-up tokens the GPU pool and an offload tier of each "
+            "scale would have served (on an engine with no tier, scales of the GPU pool's bytes).",
+        )  # fmt: skip
+        meter.create_observable_gauge(
+            names.OFFLOAD_PROJECTED_SIZE, callbacks=[self._observe_tier_projected_size], unit="By",
+            description="Bytes of the offload tier each scale of the projected hit ratio stands for.",
+        )  # fmt: skip
         for name, description, where in (
             (names.OFFLOAD_STORES, "Blocks the offload tier accepted for storing.", "stores"),
             (names.OFFLOAD_LOADS, "Blocks loaded from the offload tier into the GPU pool.", "loads"),
@@ -237,6 +246,31 @@ class KVCacheInstruments:
         for attributes, tier in self._tiers():
             if tier.bytes_per_block:
                 yield Observation(sum(tier.blocks()) * tier.bytes_per_block, attributes)
+
+    def _tier_scales(self) -> Iterable[tuple[Any, dict[str, Any], int | None]]:
+        """Each engine whose tier is projected (``tier_whatif.py``), the attributes its projection
+        goes with, and the bytes of scale 1: its tier's, or where it has none, its GPU pool's."""
+        for engine in list(self.engines):
+            if engine.reuse.tier is None:
+                continue
+            tier = engine.offload_tier
+            if tier is not None:
+                per_block, blocks = tier.bytes_per_block, sum(tier.blocks())
+                attributes = {**engine.attributes, names.OFFLOAD_MEDIUM: tier.medium}
+            else:
+                per_block, blocks, attributes = engine.bytes_per_block, engine.pool_counts.limit, engine.attributes
+            yield engine, attributes, per_block * blocks if per_block else None
+
+    def _observe_tier_projection(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine, attributes, _ in self._tier_scales():
+            for scale, ratio in engine.reuse.projected_tier_hit_ratios().items():
+                yield Observation(ratio, {**attributes, names.OFFLOAD_SCALE: scale})
+
+    def _observe_tier_projected_size(self, options: CallbackOptions) -> Iterable[Observation]:
+        for engine, attributes, scale_bytes in self._tier_scales():
+            if scale_bytes is not None:
+                for scale in engine.reuse.tier.scales:
+                    yield Observation(round(scale * scale_bytes), {**attributes, names.OFFLOAD_SCALE: scale})
 
     def _observe_misses(self, options: CallbackOptions) -> Iterable[Observation]:
         for engine in list(self.engines):

@@ -45,7 +45,13 @@ RECENTLY_RELEASED = 1024
 class OffloadTier:
     """One engine's offload tier; its counts are read by the metric reader."""
 
-    def __init__(self, manager: Any, bytes_per_block: int | None, owner_of: Callable[[str], Hashable]) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        bytes_per_block: int | None,
+        owner_of: Callable[[str], Hashable],
+        emptied: Callable[[], None],
+    ) -> None:
         self.manager = manager
         self.medium = tier_medium(manager)
         self.bytes_per_block = bytes_per_block
@@ -61,6 +67,10 @@ class OffloadTier:
         self.held: dict[Hashable, Holding] = {}
         """The blocks each attribution series holds in the tier, and their block-nanoseconds."""
         self._reported_block_ns: dict[Hashable, int] = {}
+        self.admitted_tokens: dict[str, int] = {}
+        """Tokens the tier served a request at its latest admission, until its lookup is recorded."""
+        self._emptied = emptied
+        """Tells the tier's what-if curve that the tier was emptied."""
 
     # --- hooks (the manager's, after vLLM's call) ----------------------------------
 
@@ -100,6 +110,7 @@ class OffloadTier:
             self._leave(keys, time.monotonic_ns())
 
     def on_reset(self, result: Any) -> None:
+        self._emptied()
         self._not_loaded_since_stored.clear()
         self._leave(list(self._owner_of_block), time.monotonic_ns())
 
@@ -133,7 +144,7 @@ class OffloadTier:
         return self.stored_by_request.pop(request_id, 0)
 
     def forget_departed(self, live: Mapping[str, Any]) -> None:
-        for table in (self.stored_by_request, self._owner_of_request):
+        for table in (self.stored_by_request, self._owner_of_request, self.admitted_tokens):
             for request_id in [rid for rid in table if rid not in live]:
                 del table[request_id]
 

@@ -38,7 +38,8 @@ from otel_kvcache.bounds import cut, trace_headers_within
 from otel_kvcache.engine.attribution import Attribution
 from otel_kvcache.engine.leaks import Reconciler
 from otel_kvcache.engine.pool import PoolCounts, PoolTracker, pool_counts
-from otel_kvcache.engine.whatif import PrefixReuse, default_sample_rate
+from otel_kvcache.engine.sampling import default_sample_rate
+from otel_kvcache.engine.whatif import PrefixReuse
 from otel_kvcache.errors import InstrumentationErrors
 from otel_kvcache.handover.record import RecordSink
 from otel_kvcache.handover.tally import (
@@ -279,6 +280,8 @@ class EngineTelemetry:
         self.pending_hits[request_id] = num_hits  # taken once the step's admissions are known
         if self._hit_blocks is not None:
             self.pending_hit_blocks[request_id] = self._hit_blocks(request_id, num_hits)
+        tier = self.offload_tier
+        tier_tokens = tier.admitted_tokens.pop(request_id, 0) if tier is not None else 0
         if self._lookup_enabled(request):  # vLLM's own test for counting the lookup
             queried, unit = request.num_tokens, self.layout.unit
             self.prefix_cache_queries += queried
@@ -296,7 +299,7 @@ class EngineTelemetry:
                 except Exception as exc:  # noqa: BLE001 - ours: the lookup's own events still go
                     self.errors.count(HELD_ENTRIES, exc)
             try:  # each whatever the other does (a try costs nothing until it catches)
-                self.reuse.on_lookup(keys, hit_blocks, unit, queried, used, time.monotonic(), present)
+                self.reuse.on_lookup(keys, hit_blocks, unit, queried, used, time.monotonic(), present, tier_tokens)
             finally:
                 if hit_blocks < len(keys):
                     self.misses.missed(self._tally_of(request), keys[hit_blocks:], present)

@@ -70,86 +70,31 @@ import threading
 import time
 import weakref
 from array import array
-from bisect import bisect_left, bisect_right
-from collections import deque
 from collections.abc import Iterable
-from itertools import compress, repeat
-from operator import gt
 
-from otel_kvcache.handover.miss_reasons import DEMAND, ENTRIES, FREED, HELD, LOOKUP, RESET, FreedHistory, next_event
+from otel_kvcache.engine.sampling import RecencyStack, Window, sampled_below, sampling_threshold
+from otel_kvcache.engine.tier_whatif import TierReuse
+from otel_kvcache.handover.miss_reasons import (
+    DEMAND,
+    ENTRIES,
+    FREED,
+    HELD,
+    LOOKUP,
+    RESET,
+    TIER_RESET,
+    FreedHistory,
+    next_event,
+)
 from otel_kvcache.vllm_compat.layouts import PrefixLayout
 
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Pool sizes, as multiples of the real one, that the curve is projected for."""
-WINDOW_SECONDS = 600.0
-"""The curve and the peak demand are over the last ten minutes of lookups."""
-BUCKET_SECONDS = 10.0
 MOST_PENDING = 1 << 18
 """Entries (an event's fields, the hashes of its blocks) the curve may have yet to take
 in before the engine thread takes some in itself, where nothing reads the curve for
 long: 2 MB of references, and at most about 20 MB of the hashes and numbers they keep."""
 ENGINE_SLICE = 1 << 14
 """Entries the engine thread takes in at a step when too many wait: a few milliseconds."""
-SAMPLED_BLOCKS = 256
-"""By default, the sample rate keeps about this many sampled blocks per pool's worth."""
-
-
-def default_sample_rate(pool_blocks: int) -> float:
-    return min(1.0, SAMPLED_BLOCKS / max(pool_blocks, 1))
-
-
-class _Stack:
-    """Places (increasing numbers) of the sampled blocks not in use, deepest first, with
-    the count of those above any one. In chunks: a deletion from one plain list moves
-    the whole list's tail, thousands of pointers for a sample of thousands of blocks
-    (``docs/overhead.md#what-if-curve``)."""
-
-    CHUNK = 128
-
-    def __init__(self) -> None:
-        self._chunks: list[list[int]] = []
-        self._firsts: list[int] = []  # each chunk's first place when made: a lower bound of its places
-        self._sizes: list[int] = []
-        self.size = 0
-
-    def push(self, place: int) -> None:
-        """``place`` is larger than every place pushed before."""
-        if not self._chunks or len(self._chunks[-1]) >= self.CHUNK:
-            if len(self._chunks) > 2 * (self.size // self.CHUNK) + 4:
-                self.keep_shallowest(self.size)  # mostly emptied chunks: repack
-            self._chunks.append([])
-            self._firsts.append(place)
-            self._sizes.append(0)
-        self._chunks[-1].append(place)
-        self._sizes[-1] += 1
-        self.size += 1
-
-    def take(self, place: int) -> int:
-        """Removes ``place`` (which is in the stack); returns how many places are above it."""
-        index = bisect_right(self._firsts, place) - 1
-        chunk = self._chunks[index]
-        within = bisect_left(chunk, place)
-        del chunk[within]
-        self._sizes[index] -= 1
-        self.size -= 1
-        return len(chunk) - within + sum(self._sizes[index + 1 :])
-
-    def count_above(self, place: int) -> int:
-        """How many places in the stack are above (later than) ``place``."""
-        index = bisect_right(self._firsts, place) - 1
-        if index < 0:
-            return self.size
-        chunk = self._chunks[index]
-        return len(chunk) - bisect_right(chunk, place) + sum(self._sizes[index + 1 :])
-
-    def keep_shallowest(self, count: int) -> int:
-        """Keeps the ``count`` latest places; returns the deepest kept (0 if none)."""
-        places = [place for chunk in self._chunks for place in chunk][-count:] if count else []
-        self._chunks = [places[start : start + self.CHUNK] for start in range(0, len(places), self.CHUNK)]
-        self._firsts = [chunk[0] for chunk in self._chunks]
-        self._sizes = [len(chunk) for chunk in self._chunks]
-        self.size = len(places)
-        return places[0] if places else 0
 
 
 _IN_USE = -1
@@ -158,7 +103,7 @@ _IN_USE = -1
 
 class _Checkpoints:
     """A hybrid model's entries of its checked groups (``layouts.PrefixLayout.checked``) that
-    vLLM gave back to its free queue, by key: where in the free order (``_Stack``'s places),
+    vLLM gave back to its free queue, by key: where in the free order (``RecencyStack``'s places),
     or ``_IN_USE`` once a hit took them back. Not sampled: where a hit can end is few units
     of a prompt (a Mamba group's checkpoints), and each counts."""
 
@@ -192,7 +137,7 @@ class _Checkpoints:
             place_of[entry] = _IN_USE
         return taken
 
-    def depth(self, key: bytes, stack: _Stack, present: bytes | None = None) -> int | None:
+    def depth(self, key: bytes, stack: RecencyStack, present: bytes | None = None) -> int | None:
         """How many sampled blocks were freed after the shallowest entry at this unit, where
         every checked group's is known (None otherwise), but ``present``'s, in the cache now:
         0 where all are in use."""
@@ -214,30 +159,6 @@ class _Checkpoints:
         if sum(at == _IN_USE for at in kept.values()) > most_in_use:
             kept = {key: at for key, at in kept.items() if at != _IN_USE}
         self._place_of = kept
-
-
-class _Window:
-    """Sums over the last ``WINDOW_SECONDS``, in buckets of ``BUCKET_SECONDS``: looked-up
-    tokens, vLLM's hit tokens, the projected gain at each scale, and peak demand."""
-
-    def __init__(self) -> None:
-        self._buckets: deque[tuple[float, array]] = deque()
-
-    def bucket(self, now: float) -> array:
-        buckets = self._buckets
-        if not buckets or now - buckets[-1][0] >= BUCKET_SECONDS:
-            buckets.append((now, array("d", bytes(8 * (3 + len(SCALES))))))
-            while now - buckets[0][0] > WINDOW_SECONDS:
-                buckets.popleft()
-        return buckets[-1][1]
-
-    def totals(self, now: float) -> array:
-        total = array("d", bytes(8 * (3 + len(SCALES))))
-        for started, sums in list(self._buckets):  # one C call: a catch-up elsewhere may append meanwhile
-            if now - started <= WINDOW_SECONDS:
-                for index, value in enumerate(sums):
-                    total[index] = max(total[index], value) if index == _PEAK else total[index] + value
-        return total
 
 
 # A window bucket's fields.
@@ -266,14 +187,12 @@ class PrefixReuse:
         self.layout = layout or PrefixLayout(unit=1)
         """Where a hit can end (``layouts.py``): the curve of a hybrid model follows where
         vLLM could resume (``_Checkpoints``)."""
-        # A block is sampled when its hash (vLLM's, uniform bytes) sorts below this.
-        bound = int(sample_rate * (1 << 64))
-        self._threshold = bound.to_bytes(8, "big") if bound < 1 << 64 else None  # None: every block
+        self._threshold = sampling_threshold(sample_rate)
         self._history = FreedHistory(pool_blocks)
         """The miss reasons' history, for the counters (taken in with the curve's events)."""
         # Sampled blocks not in use, by their last free: their places in the free order
         # (increasing numbers, deepest first), and each block's place.
-        self._stack = _Stack()
+        self._stack = RecencyStack()
         self._place_of: dict[bytes, int] = {}
         self._next_place = 0
         self._holders: dict[bytes, int] = {}
@@ -281,7 +200,10 @@ class PrefixReuse:
         its last holder lets go)."""
         self._depth_limit = int(max(SCALES) * pool_blocks * sample_rate) + 1
         self._checkpoints = _Checkpoints(self.layout) if self.layout.hybrid else None
-        self._window = _Window()
+        self._window = Window(_GAIN + len(SCALES), peak=_PEAK)
+        self.tier = None if self.layout.hybrid else TierReuse(pool_blocks, sample_rate, measured=False)
+        """What a tier of each size would have served with this pool (``tier_whatif.py``): a
+        first tier's, multiples of this pool, until ``measure_tier`` finds the engine's own."""
         self._curve_events: list = []
         """What vLLM did that the curve has yet to take in, in order (``catch_up``): each
         event's kind and fields one after another in one list, so that the events waiting
@@ -322,13 +244,14 @@ class PrefixReuse:
         events.extend(keys)
 
     def on_lookup(self, keys: list, hit_blocks: int, unit: int, queried_tokens: int,
-                  used_blocks: int, now: float, present: int = 0) -> None:  # fmt: skip
+                  used_blocks: int, now: float, present: int = 0, tier_tokens: int = 0) -> None:  # fmt: skip
         """A counted prefix lookup of a request whose units that could hit have these
         hashes (``vllm_compat.readers.lookup_keys_reader``, a list of its own); the first ``hit_blocks``
         did, and the ``present`` after them are in the full-attention group's cache
-        (``layouts.attention_reach_reader``). The looked-up blocks are in use from now on."""
+        (``layouts.attention_reach_reader``), and ``tier_tokens`` came from the engine's offload
+        tier. The looked-up blocks are in use from now on."""
         events = self._curve_events
-        events.extend((LOOKUP, hit_blocks, unit, queried_tokens, used_blocks, now, present, len(keys)))
+        events.extend((LOOKUP, hit_blocks, unit, queried_tokens, used_blocks, now, present, tier_tokens, len(keys)))
         events.extend(keys)
 
     def on_demand(self, used_blocks: int, waiting_for_blocks: int, now: float) -> None:
@@ -339,6 +262,16 @@ class PrefixReuse:
         """The prefix cache was emptied: no freed block is cached any more, at any size.
         (The history stays: a lookup of a block cached before the reset missed as evicted.)"""
         self._curve_events.append(RESET)
+
+    def on_tier_reset(self) -> None:
+        """The engine's offload tier was emptied."""
+        self._curve_events.append(TIER_RESET)
+
+    def measure_tier(self, capacity_blocks: int, sample_rate: float) -> None:
+        """The engine has an offload tier of ``capacity_blocks`` GPU blocks: the projection is
+        of that tier's multiples, anchored at what it serves (before the engine's first step)."""
+        if self.tier is not None:
+            self.tier = TierReuse(capacity_blocks, sample_rate, measured=True)
 
     def catch_up_if_behind(self) -> None:
         """Once a step, on the engine thread: where nothing has read the curve for long
@@ -372,12 +305,16 @@ class PrefixReuse:
                 while at < end:
                     kind = events[at]
                     if kind == LOOKUP:
-                        hit_blocks, unit, queried_tokens, used_blocks, now, present, count = events[at + 1 : at + 8]
-                        if at + 8 + count > written:
+                        hit_blocks, unit, queried_tokens, used_blocks, now, present, tier_tokens, count = events[
+                            at + 1 : at + 9
+                        ]
+                        if at + 9 + count > written:
                             break
-                        keys = events[at + 8 : at + 8 + count]
-                        at += 8 + count
+                        keys = events[at + 9 : at + 9 + count]
+                        at += 9 + count
                         self._curve_lookup(keys, hit_blocks, unit, queried_tokens, used_blocks, now, present)
+                        if self.tier is not None:
+                            self.tier.lookup(keys, hit_blocks, tier_tokens, unit, queried_tokens, now)
                     elif kind == FREED:
                         count = events[at + 1]
                         if at + 2 + count > written:
@@ -400,6 +337,10 @@ class PrefixReuse:
                     elif kind == RESET:
                         at += 1
                         self._curve_reset()
+                    elif kind == TIER_RESET:
+                        at += 1
+                        if self.tier is not None:
+                            self.tier.reset()
                     else:  # a field or a hash: an earlier event's hashes never came
                         at = next_event(events, at, written)
                         self._curve_reset()
@@ -447,9 +388,7 @@ class PrefixReuse:
 
     def _sampled(self, hashes: list) -> Iterable:
         """The sampled ones among ``hashes``, picked in C."""
-        if self._threshold is None:
-            return hashes
-        return compress(hashes, map(gt, repeat(self._threshold), hashes))
+        return hashes if self._threshold is None else sampled_below(self._threshold, hashes)
 
     def _curve_lookup(self, keys: list, hit_blocks: int, unit: int, queried_tokens: int,
                       used_blocks: int, now: float, present: int) -> None:  # fmt: skip
@@ -542,7 +481,7 @@ class PrefixReuse:
             sums[_PEAK] = demand
 
     def _curve_reset(self) -> None:
-        self._stack = _Stack()
+        self._stack = RecencyStack()
         self._place_of.clear()
         if self._checkpoints is not None:
             self._checkpoints = _Checkpoints(self.layout)
@@ -566,6 +505,14 @@ class PrefixReuse:
             scale: min(max((totals[_HIT] + totals[_GAIN + index]) / looked_up, 0.0), 1.0)
             for index, scale in enumerate(SCALES)
         }
+
+    def projected_tier_hit_ratios(self, now: float | None = None) -> dict[float, float]:
+        """Scale -> the share of the window's looked-up tokens the pool and an offload tier of
+        that scale would have served together (``tier_whatif.py``; empty on a hybrid model)."""
+        self.catch_up()
+        if self.tier is None:
+            return {}
+        return self.tier.projected_hit_ratios(time.monotonic() if now is None else now)
 
     def preemption_free_scale(self, now: float | None = None) -> float | None:
         """The smallest pool, as a multiple of this one, that the window's peak demand fits."""

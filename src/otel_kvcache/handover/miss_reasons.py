@@ -135,7 +135,7 @@ class MissReasons:
         tally[EVICTED_TOKENS] += unit * self._history.evicted(keys, present, self._layout)
 
 
-FREED, MISSED, ENTRIES, HELD, LOOKUP, DEMAND, RESET = range(-1, -8, -1)
+FREED, MISSED, ENTRIES, HELD, LOOKUP, DEMAND, RESET, TIER_RESET = range(-1, -9, -1)
 """The kinds of prefix events, in the flat lists the engine thread fills: each event's kind
 and fields in one call, its hashes in the next. Negative, as no count, serial, time or hash
 is, so that a reader finds the next event where one's hashes never came (``next_event``).
@@ -146,7 +146,7 @@ lookup's units that missed, the first ``present`` of them with their attention b
 the cache) and ``ENTRIES, count, *keys`` (a hybrid model's checked groups' entries that
 reached the free queue, or that a lookup found held: ``layouts.PrefixLayout``). To the
 what-if curve (``engine.whatif.PrefixReuse``): ``FREED`` and ``ENTRIES`` alike, ``HELD``
-for the entries a lookup found held, and ``LOOKUP``, ``DEMAND`` and ``RESET``."""
+for the entries a lookup found held, and ``LOOKUP``, ``DEMAND``, ``RESET`` and ``TIER_RESET``."""
 
 
 def next_event(events: list, at: int, end: int) -> int:

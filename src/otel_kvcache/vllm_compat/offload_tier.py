@@ -43,6 +43,12 @@ def tier_blocks(manager: Any) -> tuple[int, int]:
     return capacity - free, free
 
 
+def tier_capacity_blocks(scheduler: Any, manager: Any) -> int:
+    """The tier's capacity in GPU blocks: its chunks, of ``blocks_per_chunk`` blocks each."""
+    config = getattr(kv_connector(scheduler).connector_scheduler, "config", None)
+    return manager._num_chunks * getattr(config, "blocks_per_chunk", 1)
+
+
 def tier_medium(manager: Any) -> str:
     """``cpu``: vLLM's ``Medium`` member, in lower case."""
     return str(manager.medium.value).lower()

@@ -28,6 +28,10 @@ EMPTIED_METHODS = {
     "hybrid": {"EngineTelemetry": {"_read_peaks": None, "_entries_freed": None, "_entries_cached": None}},
     "attribution": {"Attribution": {"request_ended": (None, 0)}, "SessionTable": {"turn_gap_ns": -1}},
     "handover": {"HelperPipe": {"queue_pending": None}},
+    # An offload tier's (``churn/offload``): its stores, loads and evictions, and the
+    # connector's admissions and outputs.
+    "tier": {"OffloadTier": dict.fromkeys(("on_store_prepared", "on_load_prepared", "on_store_completed"))},
+    "connector": {"ConnectorTelemetry": {"on_allocated": None, "after_schedule": None, "before_output": None}},
 }
 
 
@@ -82,6 +86,8 @@ def unhook() -> None:
 def empty(parts: str) -> None:
     """Leaves the named parts of the instrumentation's work out (``EMPTIED_METHODS``)."""
     from otel_kvcache.engine.attribution import Attribution, SessionTable
+    from otel_kvcache.engine.connectors import ConnectorTelemetry
+    from otel_kvcache.engine.offload_tier import OffloadTier
     from otel_kvcache.engine.pool import PoolTracker
     from otel_kvcache.engine.telemetry import EngineTelemetry
     from otel_kvcache.engine.whatif import PrefixReuse
@@ -90,8 +96,11 @@ def empty(parts: str) -> None:
 
     owners = {
         owner.__name__: owner
-        for owner in (Attribution, EngineTelemetry, HelperPipe, PoolTracker, PrefixReuse, SessionTable, MissesForTheHelper)
-    }
+        for owner in (
+            Attribution, ConnectorTelemetry, EngineTelemetry, HelperPipe, MissesForTheHelper, OffloadTier, PoolTracker,
+            PrefixReuse, SessionTable,
+        )
+    }  # fmt: skip
     for part in parts.split(","):
         for owner_name, methods in EMPTIED_METHODS[part].items():
             owner = owners[owner_name]

@@ -19,9 +19,12 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
+from harness.offloading import OffloadingWorker, offloading
 from harness.scheduler import LAYOUTS, VOCAB_SIZE, make_model_config, make_scheduler, model_runner_output
 
 BLOCK_SIZE = 16
+TIER_BYTES_PER_BLOCK = 16384
+"""A block of the harness's model in vLLM's CPU tier (its KV bytes per block, aligned)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class Workload:
     num_blocks: int
     layout: str | None = None
     """One of ``harness.scheduler.LAYOUTS`` (a hybrid model's groups), or one full-attention group."""
+    offload_blocks: int = 0
+    """Blocks of a CPU offload tier (vLLM's OffloadingConnector, LRU), its workers played
+    (``harness.offloading``); 0: none."""
 
     @property
     def blocks_per_request(self) -> int:
@@ -76,6 +82,9 @@ def workloads() -> list[Workload]:
     churn = next(workload for workload in result if workload.name == "churn")
     hybrid_blocks = churn.concurrency * (churn.blocks_per_request + 2) + 64
     result.append(Workload("churn/hybrid", 256, 256, 128, 64, hybrid_blocks, layout="mamba-finer-attention"))
+    # Churn with a CPU offload tier as large as its pool: each request's prompt blocks stored,
+    # the shared prefix's kept, the rest evicted as requests come.
+    result.append(Workload("churn/offload", 256, 256, 128, 64, churn.num_blocks, offload_blocks=churn.num_blocks))
     return result
 
 
@@ -103,6 +112,8 @@ class Driver:
 
     def __init__(self, workload: Workload, log_stats: bool = True, kv_cache_metrics_sample: float | None = None):
         self.workload = workload
+        self.offloading_worker = OffloadingWorker() if workload.offload_blocks else None
+        tier = offloading(workload.offload_blocks * TIER_BYTES_PER_BLOCK) if workload.offload_blocks else None
         scheduler = make_scheduler(
             model_config(),
             num_blocks=workload.num_blocks,
@@ -113,6 +124,7 @@ class Driver:
             kv_events=False,
             kv_cache_metrics_sample=kv_cache_metrics_sample,
             layout=LAYOUTS.get(workload.layout),
+            kv_transfer_config=tier,
         )
         self.scheduler = scheduler
         init_none_hash(sha256)
@@ -149,7 +161,11 @@ class Driver:
         scheduler = self.scheduler
         output = scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
-        runner_output = model_runner_output(req_ids, [[7]] * len(req_ids))
+        worker = self.offloading_worker
+        transfers = {} if worker is None else {"kv_connector_output": worker.output()}
+        runner_output = model_runner_output(req_ids, [[7]] * len(req_ids), **transfers)
+        if worker is not None:
+            worker.take(output)
         before = len(scheduler.requests)
         scheduler.update_from_output(output, runner_output)
         self.finished += before - len(scheduler.requests)

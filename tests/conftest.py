@@ -108,7 +108,8 @@ def prometheus_scrape_of_a_run(make_engine, telemetry) -> tuple[str, list]:
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine_harness import KVTransfers, OffloadingWorker, nixl_both, offloading
+    from engine_harness import KVTransfers, nixl_both
+    from harness.offloading import OffloadingWorker, offloading
     from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings
     from otel_kvcache.gpu import VLLMGPUInstrumentor
 

@@ -25,7 +25,8 @@ from prometheus_client import start_http_server  # noqa: E402
 from otel_kvcache import VLLMKVCacheInstrumentor  # noqa: E402
 from otel_kvcache.gpu import VLLMGPUInstrumentor  # noqa: E402
 
-from engine_harness import EngineHarness, KVTransfers, OffloadingWorker, nixl_both, offloading  # noqa: E402
+from engine_harness import EngineHarness, KVTransfers, nixl_both  # noqa: E402
+from harness.offloading import OffloadingWorker, offloading  # noqa: E402
 from harness.scheduler import make_model_config, make_scheduler  # noqa: E402
 from gpu_fakes import FakeNVML, FakeTorchCuda, load_readings  # noqa: E402
 

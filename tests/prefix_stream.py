@@ -14,7 +14,8 @@ import functools
 import random
 import tempfile
 
-from engine_harness import EngineHarness, OffloadingWorker, offloading
+from engine_harness import EngineHarness
+from harness.offloading import OffloadingWorker, offloading
 from harness.scheduler import LAYOUTS, VOCAB_SIZE, make_model_config, make_scheduler
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request

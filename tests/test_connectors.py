@@ -11,7 +11,8 @@ import secrets
 import time
 
 import pytest
-from engine_harness import KVTransfers, OffloadingWorker, nixl_both
+from engine_harness import KVTransfers, nixl_both
+from harness.offloading import OffloadingWorker
 from vllm.config import KVTransferConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus

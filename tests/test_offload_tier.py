@@ -17,7 +17,8 @@ import time
 import prefix_stream
 import pytest
 from conftest import Telemetry
-from engine_harness import EngineHarness, OffloadingWorker, offloading
+from engine_harness import EngineHarness
+from harness.offloading import OffloadingWorker, offloading
 from harness.scheduler import make_scheduler
 from test_connectors import attributes
 from vllm.v1.request import RequestStatus

@@ -232,6 +232,19 @@ def test_what_if_curve_is_each_scales_latest_reading(run_files, page):
     assert {r["scale"]: r["ratio"] for r in rows} == latest
 
 
+def test_the_tier_what_if_is_each_scales_latest_reading_by_its_bytes(run_files, page):
+    datasets = script_json(page, "spec-tierwhatif")["datasets"]
+    ratios, sizes = {}, {}
+    for metric, latest in ((names.OFFLOAD_PROJECTED_HIT_RATIO, ratios), (names.OFFLOAD_PROJECTED_SIZE, sizes)):
+        for _, value, attributes in sorted(points_in(run_files, metric), key=lambda p: p[0]):
+            latest[float(attributes[names.OFFLOAD_SCALE])] = value
+    assert {r["scale"]: (r["GiB"], r["ratio"]) for r in datasets["tier_projected"]} == {
+        scale: (sizes[scale] / 2**30, ratio) for scale, ratio in ratios.items() if scale  # scale 0: no tier
+    }
+    assert datasets["tier_none"] == [{"ratio": ratios[0.0], "tier": "cpu tier"}]
+    assert datasets["tier_today"] == [{"GiB": sizes[1.0] / 2**30}]
+
+
 def test_the_tier_chart_is_every_reading_of_the_offload_tier(run_files, page):
     rows = script_json(page, "spec-tier")["datasets"]["tier"]
     points = points_in(run_files, names.OFFLOAD_BLOCKS)
@@ -243,7 +256,7 @@ def test_the_tier_chart_is_every_reading_of_the_offload_tier(run_files, page):
 
 def test_no_what_if_chart_without_its_gauge(tmp_path):
     page = make_report(Run(with_what_if=False).write(tmp_path / "otlp"), tmp_path / "report.html")
-    assert 'id="spec-whatif"' not in page
+    assert 'id="spec-whatif"' not in page and 'id="spec-tierwhatif"' not in page
     assert 'id="spec-pool"' in page and 'id="spec-timeline"' in page
 
 
@@ -269,7 +282,7 @@ def test_the_page_renders_every_chart_in_headless_chromium(page, tmp_path):
     path = tmp_path / "report.html"
     path.write_text(page)
     shares = open_and_check(
-        path, {"pool", "device", "tier", "holders", "timeline", "session_gaps", "distributions", "whatif"}
+        path, {"pool", "device", "tier", "holders", "timeline", "session_gaps", "distributions", "whatif", "tierwhatif"}
     )
     # Marks drawn in colour, not only axes and grey gridlines: the stacked pool is most
     # of its plot, a thin NVML line the least.
@@ -279,6 +292,7 @@ def test_the_page_renders_every_chart_in_headless_chromium(page, tmp_path):
     assert shares["timeline"] > 0.05, shares
     assert shares["distributions"] > 0.03, shares
     assert shares["whatif"] > 0.003, shares
+    assert shares["tierwhatif"] > 0.003, shares
     assert shares["holders"] > 0.05, shares
     assert shares["session_gaps"] > 0.01, shares
 

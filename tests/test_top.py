@@ -11,7 +11,8 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
-from engine_harness import EngineHarness, KVTransfers, OffloadingWorker, nixl_both, offloading
+from engine_harness import EngineHarness, KVTransfers, nixl_both
+from harness.offloading import OffloadingWorker, offloading
 from harness.scheduler import make_scheduler
 from otel_kvcache import VLLMKVCacheInstrumentor, config, names
 from otel_kvcache.commands.cli import main as cli
@@ -167,13 +168,19 @@ def test_the_tier_line_is_vllms_offload_tier(model_config, publisher, capsys):
         "medium": "cpu", "used": len(ledger.resident), "free": manager._num_chunks - len(ledger.resident),
         "bytes_per_block": tier["bytes_per_block"], "stores": sum(ledger.stored.values()), "loads": ledger.loads,
         "evictions": ledger.evictions, "evicted_unused": ledger.evicted_unused,
+        "projected_hit_ratio": tier["projected_hit_ratio"],
     }  # fmt: skip
+    # The what-if at today's tier is what vLLM served, from the GPU pool and the tier; with none, the GPU pool's.
+    ratios, truth = tier["projected_hit_ratio"], harness.truth
+    assert truth.connector_hits and ratios["1"] == (truth.prefix_hits + truth.connector_hits) / truth.prefix_queries
+    assert ratios["0"] == truth.prefix_hits / truth.prefix_queries
     per_block = tier["bytes_per_block"]  # vLLM's tier takes the whole blocks its 1 MiB holds
     assert manager._num_chunks * per_block <= 1 << 20 < (manager._num_chunks + 1) * per_block
     capsys.readouterr()
     assert cli(["top", "--once"]) == 0
     shown = capsys.readouterr().out
     assert f"tier  cpu: used {tier['used']}  free {tier['free']}  of {manager._num_chunks} blocks" in shown, shown
+    assert f"what-if 2x the tier: hit ratio {ratios['1']:.2f} → {ratios['2']:.2f}" in shown, shown
 
 
 def test_the_snapshots_are_this_users_only_and_go_with_their_engine(model_config, publisher, top_snapshot_directory):

@@ -196,7 +196,8 @@ class SnapshotPublisher:
         report = engine.reconciler.report
         holders = engine.attribution.holders_now(engine.type_managers, engine.scheduler_requests) if detailed else []
         shown = holders[: self.top_requests]
-        connectors = engine.connectors
+        connectors, tier = engine.connectors, engine.offload_tier
+        tier_ratios = {f"{scale:g}": ratio for scale, ratio in engine.reuse.projected_tier_hit_ratios().items()}
         return {
             "format": FORMAT,
             "time": now,
@@ -231,10 +232,12 @@ class SnapshotPublisher:
             "connector": None if connectors is None else dict(
                 zip(("held_blocks", "held_requests", "held_age_max_s"), connectors.held_readings())
             ),
-            "offload": None if engine.offload_tier is None else _tier(engine.offload_tier),
+            "offload": None if tier is None else {**_tier(tier), "projected_hit_ratio": tier_ratios},
             "whatif": {
                 "hit_ratio": {f"{scale:g}": ratio for scale, ratio in engine.reuse.projected_hit_ratios().items()},
                 "preemption_free_scale": engine.reuse.preemption_free_scale(),
+                # Where the engine has no tier: a first one's, by multiples of the pool.
+                "first_tier_hit_ratio": tier_ratios if tier is None else None,
             },
             "holders": [{"attributes": attributes, "blocks": blocks} for attributes, blocks in shown],
             "holders_other": sum(blocks for _, blocks in holders[len(shown):]),

@@ -31,8 +31,9 @@ The hit tokens and the load wait of a request are its connector's
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping
+from itertools import repeat
 from typing import Any
 
 from otel_kvcache.vllm_compat.offload_tier import request_id_of, store_keys, tier_blocks, tier_medium
@@ -82,10 +83,9 @@ class OffloadTier:
         if evicted:
             self.evictions += len(evicted)
             unused = self._not_loaded_since_stored
-            for key in evicted:
-                if key in unused:
-                    unused.discard(key)
-                    self.evicted_unused += 1
+            before = len(unused)
+            unused.difference_update(evicted)
+            self.evicted_unused += before - len(unused)
             self._leave(evicted, now_ns)
         if accepted:
             request_id = request_id_of(req_context)
@@ -125,11 +125,15 @@ class OffloadTier:
 
     def _leave(self, keys: Collection[Any], now_ns: int) -> None:
         """Blocks leave the tier: their owners hold them no more."""
-        owner_of_block = self._owner_of_block
-        for key in keys:
-            owner = owner_of_block.pop(key, None)
-            if owner is not None:  # stored while instrumented
-                self._holding(owner, now_ns).blocks -= 1
+        owners = list(map(self._owner_of_block.pop, keys, repeat(None)))  # None: stored before instrumenting
+        first = owners[0] if owners else None
+        if owners.count(first) == len(owners):  # mostly: the blocks of one request, in C (Counter costs 1 µs)
+            if first is not None:
+                self._holding(first, now_ns).blocks -= len(owners)
+            return
+        for owner, blocks in Counter(owners).items():
+            if owner is not None:
+                self._holding(owner, now_ns).blocks -= blocks
 
     # --- per request --------------------------------------------------------------
 

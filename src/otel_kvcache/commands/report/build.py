@@ -63,6 +63,7 @@ def build(otlp_dir: Path) -> Report:
         holder_charts.session_gaps(traces),
         request_charts.distributions(traces),
         pool_charts.what_if(metrics.projected),
+        pool_charts.tier_what_if(metrics),
     ]
     summary = summarize(metrics, traces)
     source = f"{otlp_dir}: {TRACES} {_size(traces_path)}, {METRICS} {_size(metrics_path)}"

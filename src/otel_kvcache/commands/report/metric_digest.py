@@ -92,6 +92,11 @@ class MetricDigest:
     """(engine, medium, block state) -> (time, blocks) readings of the offload tier, the largest per bucket."""
     projected: dict[tuple, tuple] = field(default_factory=dict)
     """(engine, pool scale) -> (time, projected prefix-cache hit ratio), the latest reading."""
+    tier_projected: dict[tuple, tuple] = field(default_factory=dict)
+    """(engine, medium, tier scale) -> (time, projected hit ratio with a tier that large), the latest
+    reading; the medium is "" on an engine with no tier (a first tier's)."""
+    tier_projected_size: dict[tuple, float] = field(default_factory=dict)
+    """(engine, medium, tier scale) -> bytes of such a tier, the latest reading."""
     held: dict[str, TimeBuckets[tuple]] = field(default_factory=dict)
     """Attribution series (``holder``) -> (time, blocks held) readings, the largest per bucket."""
     occupancy: dict[str, dict[object, CounterSeries]] = field(default_factory=dict)
@@ -169,6 +174,24 @@ class MetricDigest:
         if point.time >= self.projected.get(key, (-1, 0))[0]:
             self.projected[key] = (point.time, point.value)
 
+    def _tier_projected(self, point: Point) -> None:
+        key = self._tier_scale_key(point)
+        if key is not None and point.time >= self.tier_projected.get(key, (-1, 0))[0]:
+            self.tier_projected[key] = (point.time, point.value)
+
+    def _tier_projected_size(self, point: Point) -> None:
+        key = self._tier_scale_key(point)
+        if key is not None:
+            self.tier_projected_size[key] = point.value
+
+    @staticmethod
+    def _tier_scale_key(point: Point) -> tuple | None:
+        attributes = point.attributes
+        scale = attributes.get(names.OFFLOAD_SCALE)
+        if scale is None:
+            return None
+        return attributes.get(names.ENGINE_INDEX, 0), attributes.get(names.OFFLOAD_MEDIUM, ""), float(scale)
+
     def _held(self, point: Point) -> None:
         if names.OFFLOAD_MEDIUM in point.attributes:  # the offload tier's, not the GPU pool's
             return
@@ -205,6 +228,8 @@ _HANDLERS = {
     names.GPU_MEMORY_LIMIT: MetricDigest._device_limit,
     names.OFFLOAD_BLOCKS: MetricDigest._tier_blocks,
     names.PROJECTED_HIT_RATIO: MetricDigest._projected,
+    names.OFFLOAD_PROJECTED_HIT_RATIO: MetricDigest._tier_projected,
+    names.OFFLOAD_PROJECTED_SIZE: MetricDigest._tier_projected_size,
     names.HELD_BLOCKS: MetricDigest._held,
     names.OCCUPANCY: MetricDigest._occupancy,
 }

@@ -249,3 +249,48 @@ def what_if(projected: dict[tuple, tuple]) -> Figure | None:
     note = f"{names.PROJECTED_HIT_RATIO} by {names.POOL_SCALE}, each engine's latest reading; dashed: today's pool."
     data = {"projected": rows, "today": [{"scale": 1}]}
     return Figure("whatif", "What a bigger pool would have bought", note, chart, data)
+
+
+def tier_what_if(metrics: MetricDigest) -> Figure | None:
+    """The offload tier's what-if curve, in bytes: the hit ratio the GPU pool and a tier that large
+    would have had together; on an engine with no tier, a first tier's."""
+    engines = {engine for engine, _, _ in metrics.tier_projected}
+
+    def label(engine: object, medium: str) -> str:
+        tier = f"{medium} tier" if medium else "a first tier"
+        return tier if len(engines) == 1 else f"engine {engine}, {tier}"
+
+    rows, alone, today = [], [], []
+    for (engine, medium, scale), (_, ratio) in sorted(metrics.tier_projected.items(), key=lambda item: str(item[0])):
+        size = metrics.tier_projected_size.get((engine, medium, scale))
+        if scale == 0.0:  # no tier: the GPU pool alone
+            alone.append({"ratio": ratio, "tier": label(engine, medium)})
+        elif size:
+            rows.append({"GiB": size / 2**30, "ratio": ratio, "tier": label(engine, medium), "scale": scale})
+            if scale == 1.0 and medium:
+                today.append({"GiB": size / 2**30})
+    if not rows:
+        return None
+    colour = alt.Color("tier:N", legend=alt.Legend(orient="right", title=None))
+    curve = (
+        alt.Chart(alt.NamedData("tier_projected"))
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("GiB:Q", scale=alt.Scale(type="log", base=2), title="offload tier, GiB"),
+            y=alt.Y("ratio:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"),
+                    title="hits, GPU pool and tier"),
+            color=colour,
+            tooltip=["tier:N", alt.Tooltip("GiB:Q", format=".3~f"), alt.Tooltip("scale:Q", title="scale"),
+                     alt.Tooltip("ratio:Q", format=".1%")],
+        )
+    )  # fmt: skip
+    today_rule = alt.Chart(alt.NamedData("tier_today")).mark_rule(strokeDash=[4, 3], color="#666").encode(x="GiB:Q")
+    alone_rule = alt.Chart(alt.NamedData("tier_none")).mark_rule(strokeDash=[2, 2]).encode(y="ratio:Q", color=colour)
+    chart = alt.layer(curve, today_rule, alone_rule).properties(width=480, height=220)
+    note = (
+        f"{names.OFFLOAD_PROJECTED_HIT_RATIO} against {names.OFFLOAD_PROJECTED_SIZE}, each engine's latest reading; "
+        "dashed across: the GPU pool alone; dashed up: today's tier. An engine with no tier shows a first tier's, "
+        "in multiples of its GPU pool's bytes."
+    )
+    data = {"tier_projected": rows, "tier_today": today, "tier_none": alone}
+    return Figure("tierwhatif", "What an offload tier of another size would have bought", note, chart, data)

@@ -172,6 +172,9 @@ def _tier_line(tier: dict[str, Any]) -> Text:
         line.append(f" ({_bytes(used * per_block)} of {_bytes((used + free) * per_block)})")
     line.append(f"  stores {tier['stores']}  loads {tier['loads']}  evictions {tier['evictions']}, ")
     line.append(f"{tier['evicted_unused']} never loaded back", style="bold yellow" if tier["evicted_unused"] else "")
+    ratios = tier.get("projected_hit_ratio") or {}
+    if "1" in ratios and "2" in ratios:
+        line.append(f"  what-if 2x the tier: hit ratio {ratios['1']:.2f} → {ratios['2']:.2f}")
     return line
 
 
@@ -228,6 +231,9 @@ def _whatif_line(whatif: dict[str, Any] | None) -> Text | None:
         line.append(f"  peak demand fits {scale:.2f}x the pool")
     else:  # a light load on a large pool
         line.append(f"  peak demand used {100 * scale:.2g} % of the pool")
+    first_tier = whatif.get("first_tier_hit_ratio") or {}
+    if "1" in first_tier:  # an engine with no offload tier
+        line.append(f"  an offload tier the pool's size: hit ratio {first_tier['1']:.2f}")
     return line
 
 

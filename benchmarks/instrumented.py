@@ -32,6 +32,7 @@ EMPTIED_METHODS = {
     # connector's admissions and outputs.
     "tier": {"OffloadTier": dict.fromkeys(("on_store_prepared", "on_load_prepared", "on_store_completed"))},
     "connector": {"ConnectorTelemetry": {"on_allocated": None, "after_schedule": None, "before_output": None}},
+    "tier-watch": {"ConnectorTelemetry": {"watch_offload_tier": None}},  # no tier seen: none of its hooks
 }
 
 

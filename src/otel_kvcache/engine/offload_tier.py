@@ -65,6 +65,7 @@ class OffloadTier:
         self._owner_of_request: dict[str, Hashable] = {}
         self._owner_of_released: OrderedDict[str, Hashable] = OrderedDict()
         self._owner_of_block: dict[Any, Hashable] = {}
+        self._series: dict[Hashable, Hashable] = {}
         self.held: dict[Hashable, Holding] = {}
         """The blocks each attribution series holds in the tier, and their block-nanoseconds."""
         self._reported_block_ns: dict[Hashable, int] = {}
@@ -96,9 +97,14 @@ class OffloadTier:
             if owner is None:
                 owner = self._owner_of_released.get(request_id)
                 if owner is None:
-                    owner = self._owner_of_request[request_id] = self._owner_of(request_id)
+                    owner = self._owner_of(request_id)
+                    # One object per series, however many requests' blocks stay in the tier:
+                    # a key of its own for each would leave a tracked tuple per request.
+                    owner = self._owner_of_request[request_id] = self._series.setdefault(owner, owner)
             self._holding(owner, now_ns).blocks += len(accepted)
-            self._owner_of_block.update(dict.fromkeys(accepted, owner))
+            owner_of_block = self._owner_of_block
+            for key in accepted:  # for a store's few keys, 2.5 times as fast as update(dict.fromkeys(...))
+                owner_of_block[key] = owner
 
     def on_load_prepared(self, load_spec: Any, keys: Collection[Any], req_context: Any) -> None:
         self.loads += len(keys)

@@ -44,9 +44,8 @@ class RecencyStack:
     the whole list's tail, thousands of pointers for a sample of thousands of blocks
     (``docs/overhead.md#what-if-curve``)."""
 
-    CHUNK = 128
-
-    def __init__(self) -> None:
+    def __init__(self, chunk: int = 128) -> None:
+        self.chunk = chunk
         self._chunks: list[list[int]] = []
         self._firsts: list[int] = []  # each chunk's first place when made: a lower bound of its places
         self._sizes: list[int] = []
@@ -54,8 +53,8 @@ class RecencyStack:
 
     def push(self, place: int) -> None:
         """``place`` is larger than every place pushed before."""
-        if not self._chunks or len(self._chunks[-1]) >= self.CHUNK:
-            if len(self._chunks) > 2 * (self.size // self.CHUNK) + 4:
+        if not self._chunks or len(self._chunks[-1]) >= self.chunk:
+            if len(self._chunks) > 2 * (self.size // self.chunk) + 4:
                 self.keep_shallowest(self.size)  # mostly emptied chunks: repack
             self._chunks.append([])
             self._firsts.append(place)
@@ -85,7 +84,7 @@ class RecencyStack:
     def keep_shallowest(self, count: int) -> int:
         """Keeps the ``count`` latest places; returns the deepest kept (0 if none)."""
         places = [place for chunk in self._chunks for place in chunk][-count:] if count else []
-        self._chunks = [places[start : start + self.CHUNK] for start in range(0, len(places), self.CHUNK)]
+        self._chunks = [places[start : start + self.chunk] for start in range(0, len(places), self.chunk)]
         self._firsts = [chunk[0] for chunk in self._chunks]
         self._sizes = [len(chunk) for chunk in self._chunks]
         self.size = len(places)

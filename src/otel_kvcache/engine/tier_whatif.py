@@ -11,23 +11,26 @@ other blocks were used in the tier since its last use (its stack distance; Matts
 al., 1970).
 
 ``TierReuse`` keeps that order for the sampled blocks (the GPU curve's sampling,
-``whatif.py``: a block whose hash sorts below ``sample_rate`` of the hash space) and
-at each admission walks the blocks the GPU pool missed, to the first sampled one that a
-tier of each size would not hold. Where the engine has a tier, its own hit anchors the
-curve: scale 1 is what it served, a larger tier serves that and what the walk finds
-after it, a smaller one that up to the first block it would have lost. Where it has
-none, the walk alone answers, for tiers of the GPU pool's size and its multiples: what a
-first tier would give. The GPU pool's hits are the same at every scale (the tier does not
-change what the GPU pool holds: a block loaded or computed again is cached there alike).
+``whatif.py``: a block whose hash sorts below ``sample_rate`` of the hash space), used in
+each prompt's order reversed, as vLLM's LRU ranks them, so that a block is never in the
+tier without those before it: each sampled block the GPU pool missed counts for itself,
+served by a tier of each size that holds it, and stands for ``1 / sample_rate`` blocks,
+no more than its lookup had. Where the engine has a tier, its own hit anchors the curve:
+scale 1 is what it served, a larger tier serves that and the blocks after it that it
+holds, a smaller one that less the blocks it would have lost (LRU keeps what a smaller
+tier holds in a larger one). Where it has none, the stack alone answers, for tiers of the
+GPU pool's size and its multiples: what a first tier would give. The GPU pool's hits are
+the same at every scale: a block loaded from the tier or computed again is cached there
+alike.
 
 What it does not model: ARC (a tier with ARC is projected as LRU, anchored at what ARC
 served), blocks a store could not take (all pinned by loads in flight), the decode
 blocks a connector stores with ``offload_prompt_only`` off, and hybrid models (several KV
-cache groups: no projection). The walk skips the unsampled blocks: with a sample rate
-below 1, a run may reach past an unsampled block the tier lacks. Costs: the GPU curve's,
-again, off the engine thread (``PrefixReuse.catch_up``): per looked-up block a comparison
-in C, per sampled one a ``bisect`` and a deletion from a short list; memory, the stack up
-to ``2 × max(scales)`` × capacity × ``sample_rate`` blocks.
+cache groups: no projection). Costs: off the engine thread, with the GPU curve's events
+(``PrefixReuse.catch_up``): per looked-up block a comparison in C, per sampled one a
+``bisect`` and a deletion from a list of ``STACK_CHUNK``, and per lookup with a sampled
+block the GPU pool missed, a pass over those at each scale; memory, the stack up to
+``2 × max(scales)`` × capacity × ``sample_rate`` blocks.
 """
 
 from __future__ import annotations
@@ -43,8 +46,13 @@ TIER_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 FIRST_TIER_SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 """Tier sizes, as multiples of the GPU pool, projected where the engine has no tier."""
 
-# A window bucket's fields: looked-up tokens, the GPU pool's hit tokens, the tier's at each scale.
-_LOOKED_UP, _GPU_HIT, _TIER = 0, 1, 2
+STACK_CHUNK = 512
+"""Places per chunk of the recency stack: a first tier's reaches 64 pools' sample, 32 k places,
+which chunks of 128 would make 256 chunks to sum for a depth."""
+
+# A window bucket's fields: looked-up tokens, the GPU pool's hit tokens, the engine's tier's, and
+# what a tier of each scale would have served beyond (or short of) the engine's tier.
+_LOOKED_UP, _GPU_HIT, _TIER_HIT, _GAIN = 0, 1, 2, 3
 
 
 class TierReuse:
@@ -58,11 +66,11 @@ class TierReuse:
         self.scales = TIER_SCALES if measured else FIRST_TIER_SCALES
         self.sample_rate = sample_rate
         self._threshold = sampling_threshold(sample_rate)
-        self._stack = RecencyStack()
+        self._stack = RecencyStack(STACK_CHUNK)
         self._place_of: dict[bytes, int] = {}
         self._next_place = 0
         self._depth_limit = int(max(self.scales) * capacity_blocks * sample_rate) + 1
-        self._window = Window(_TIER + len(self.scales))
+        self._window = Window(_GAIN + len(self.scales))
 
     def lookup(self, keys: list, gpu_hit: int, tier_tokens: int, unit: int, queried_tokens: int, now: float) -> None:
         """An admission's lookup: its blocks' hashes, the first ``gpu_hit`` served by the GPU
@@ -70,13 +78,17 @@ class TierReuse:
         sums = self._window.bucket(now)
         sums[_LOOKED_UP] += queried_tokens
         sums[_GPU_HIT] += unit * gpu_hit
+        sums[_TIER_HIT] += tier_tokens
         missed = keys[gpu_hit:]
-        tier_hit = min(tier_tokens // unit, len(missed))
         depths = [(at, self._depth(missed[at])) for at in self._sampled_positions(missed)]
-        weight = unit / self.sample_rate
-        for index, scale in enumerate(self.scales):
-            if scale:
-                sums[_TIER + index] += self._served(depths, tier_hit, tier_tokens, scale, weight)
+        if depths:  # with a sample of a few hundred blocks a tier, most lookups have none
+            tier_hit, weight = min(tier_tokens // unit, len(missed)), unit / self.sample_rate
+            # A sampled block stands for 1 / sample_rate: no more than the lookup had, either way.
+            least, most = -tier_tokens, unit * (len(missed) - tier_hit)
+            for index, scale in enumerate(self.scales):
+                if scale and not (self.measured and scale == 1.0):  # scale 1: what the tier served
+                    gained = weight * self._gained(depths, tier_hit, scale)
+                    sums[_GAIN + index] += min(max(gained, least), most)
         # Every prompt block is the tier's to keep, hit or not. vLLM's LRU ranks a request's
         # blocks last to first, so that its first ones stay longest: a block is never in the
         # tier without those before it, whose ranks are at least as recent.
@@ -85,28 +97,24 @@ class TierReuse:
         if self._stack.size > 2 * self._depth_limit:
             self._drop_deepest()
 
-    def _served(self, depths: list[tuple[int, int | None]], tier_hit: int, tier_tokens: int, scale: float,
-                weight: float) -> float:  # fmt: skip
-        """Tokens a tier ``scale`` times as large serves of the blocks the GPU pool missed. A
-        block the tier holds is served (those before it are held too: see ``lookup``), so each
-        sampled block counts for itself; each stands for ``1 / sample_rate`` blocks."""
+    def _gained(self, depths: list[tuple[int, int | None]], tier_hit: int, scale: float) -> int:
+        """The sampled blocks a tier ``scale`` times as large serves of those the GPU pool
+        missed, less those the engine's tier served (each stands for ``1 / sample_rate``
+        blocks). A block the tier holds is served (those before it are held too: see
+        ``lookup``), so each counts for itself."""
         room = scale * self.capacity_blocks * self.sample_rate  # in sampled blocks
         if not self.measured:
-            return weight * sum(depth is not None and depth < room for _, depth in depths)
+            return sum(depth is not None and depth < room for _, depth in depths)
         # LRU keeps what a smaller tier holds in a larger one: a larger tier serves the real
         # one's hit and the blocks after it that it holds; a smaller one, the real hit less
         # the blocks it would have lost.
-        if scale == 1.0:  # what the tier served
-            return tier_tokens
         if scale > 1.0:
-            gained = sum(at >= tier_hit and depth is not None and depth < room for at, depth in depths)
-            return tier_tokens + weight * gained
-        lost = sum(at < tier_hit and (depth is None or depth >= room) for at, depth in depths)
-        return max(tier_tokens - weight * lost, 0.0)
+            return sum(at >= tier_hit and depth is not None and depth < room for at, depth in depths)
+        return -sum(at < tier_hit and (depth is None or depth >= room) for at, depth in depths)
 
     def reset(self) -> None:
         """The tier was emptied."""
-        self._stack = RecencyStack()
+        self._stack = RecencyStack(STACK_CHUNK)
         self._place_of.clear()
 
     def projected_hit_ratios(self, now: float) -> dict[float, float]:
@@ -116,8 +124,9 @@ class TierReuse:
         looked_up = totals[_LOOKED_UP]
         if not looked_up:
             return {}
+        tier_hit = totals[_TIER_HIT]
         return {
-            scale: min(max((totals[_GPU_HIT] + totals[_TIER + index]) / looked_up, 0.0), 1.0)
+            scale: min((totals[_GPU_HIT] + (tier_hit + totals[_GAIN + index] if scale else 0.0)) / looked_up, 1.0)
             for index, scale in enumerate(self.scales)
         }
 

@@ -145,6 +145,8 @@ class Run:
     tier_scales: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
     tier_bytes: int = 8 * 2**20
     """The offload tier's bytes (scale 1 of its what-if)."""
+    first_tier: bool = False
+    """The tier's what-if as an engine with no tier exports it: a first tier's, without a medium."""
     models: tuple[str, ...] = ("llama", "adapter-x")
     """The attribution series: the first holds three quarters of the used blocks."""
 
@@ -220,12 +222,13 @@ class Run:
                     (min(1.0, 0.3 + 0.1 * second * scale ** 0.5), {**engine, names.POOL_SCALE: scale})
                     for scale in self.scales
                 ]))  # fmt: skip
+                projected = engine if self.first_tier else tier
                 metrics.append(gauge(names.OFFLOAD_PROJECTED_HIT_RATIO, second, [
-                    (min(1.0, 0.4 + 0.05 * second * scale ** 0.5), {**tier, names.OFFLOAD_SCALE: scale})
+                    (min(1.0, 0.4 + 0.05 * second * scale ** 0.5), {**projected, names.OFFLOAD_SCALE: scale})
                     for scale in self.tier_scales
                 ]))  # fmt: skip
                 metrics.append(gauge(names.OFFLOAD_PROJECTED_SIZE, second, [
-                    (scale * self.tier_bytes, {**tier, names.OFFLOAD_SCALE: scale}) for scale in self.tier_scales
+                    (scale * self.tier_bytes, {**projected, names.OFFLOAD_SCALE: scale}) for scale in self.tier_scales
                 ]))  # fmt: skip
             requests.append(metrics_request(metrics))
             device = {names.HW_ID_ATTRIBUTE: "GPU-0", names.HW_TYPE_ATTRIBUTE: names.HW_TYPE_GPU}

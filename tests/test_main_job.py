@@ -196,9 +196,9 @@ def test_readme_command_1_writes_a_report_with_the_tables_totals(main_job):
 
 def test_readme_command_1_report_draws_in_headless_chromium(main_job):
     _, out = main_job
-    # No GPU here: no device chart; the what-if curve when the capacity gauge is exported.
+    # No GPU here: no device chart; the what-if curves (the pool's, a first tier's) when their gauges are exported.
     charts = {"pool", "holders", "timeline", "session_gaps", "distributions"}
-    shares = open_and_check(out / "report.html", charts, frozenset({"whatif"}))
+    shares = open_and_check(out / "report.html", charts, frozenset({"whatif", "tierwhatif"}))
     assert all(share > 0.005 for share in shares.values()), shares
 
 

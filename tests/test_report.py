@@ -245,6 +245,20 @@ def test_the_tier_what_if_is_each_scales_latest_reading_by_its_bytes(run_files, 
     assert datasets["tier_today"] == [{"GiB": sizes[1.0] / 2**30}]
 
 
+def test_a_first_tiers_what_if_draws_without_the_tiers_rules(tmp_path):
+    """An engine with no tier exports a first tier's projection, with no medium and no scale 0:
+    the curve alone, which Chromium draws without a warning from Vega."""
+    run = Run(first_tier=True, tier_scales=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0))
+    path = tmp_path / "report.html"
+    make_report(run.write(tmp_path / "otlp"), path)
+    datasets = script_json(path.read_text(), "spec-tierwhatif")["datasets"]
+    assert [r["tier"] for r in datasets["tier_projected"]] == ["a first tier"] * 7
+    assert datasets["tier_today"] == [] and datasets["tier_none"] == []
+    others = {"pool", "device", "tier", "holders", "timeline", "session_gaps", "distributions", "whatif"}
+    shares = open_and_check(path, {"tierwhatif"}, frozenset(others))
+    assert shares["tierwhatif"] > 0.003, shares
+
+
 def test_the_tier_chart_is_every_reading_of_the_offload_tier(run_files, page):
     rows = script_json(page, "spec-tier")["datasets"]["tier"]
     points = points_in(run_files, names.OFFLOAD_BLOCKS)

@@ -284,9 +284,16 @@ def tier_what_if(metrics: MetricDigest) -> Figure | None:
                      alt.Tooltip("ratio:Q", format=".1%")],
         )
     )  # fmt: skip
-    today_rule = alt.Chart(alt.NamedData("tier_today")).mark_rule(strokeDash=[4, 3], color="#666").encode(x="GiB:Q")
-    alone_rule = alt.Chart(alt.NamedData("tier_none")).mark_rule(strokeDash=[2, 2]).encode(y="ratio:Q", color=colour)
-    chart = alt.layer(curve, today_rule, alone_rule).properties(width=480, height=220)
+    layers = [curve]
+    if today:  # an engine with a tier (a rule of no data is an empty extent, which Vega warns of)
+        layers.append(
+            alt.Chart(alt.NamedData("tier_today")).mark_rule(strokeDash=[4, 3], color="#666").encode(x="GiB:Q")
+        )
+    if alone:
+        layers.append(
+            alt.Chart(alt.NamedData("tier_none")).mark_rule(strokeDash=[2, 2]).encode(y="ratio:Q", color=colour)
+        )
+    chart = alt.layer(*layers).properties(width=480, height=220)
     note = (
         f"{names.OFFLOAD_PROJECTED_HIT_RATIO} against {names.OFFLOAD_PROJECTED_SIZE}, each engine's latest reading; "
         "dashed across: the GPU pool alone; dashed up: today's tier. An engine with no tier shows a first tier's, "

@@ -33,9 +33,15 @@ def sampling_threshold(sample_rate: float) -> bytes | None:
     return bound.to_bytes(8, "big") if bound < 1 << 64 else None
 
 
-def sampled_below(threshold: bytes, hashes: list) -> Iterable:
-    """The sampled ones among ``hashes``, picked in C."""
-    return compress(hashes, map(gt, repeat(threshold), hashes))
+def sampled(threshold: bytes | None, hashes: list) -> Iterable:
+    """The sampled ones among ``hashes``, picked in C (``sampling_threshold``'s None: all)."""
+    return hashes if threshold is None else compress(hashes, map(gt, repeat(threshold), hashes))
+
+
+def sampled_positions(threshold: bytes | None, hashes: list) -> Iterable[int]:
+    """Where the sampled ones are among ``hashes``, picked in C."""
+    positions = range(len(hashes))
+    return positions if threshold is None else compress(positions, map(gt, repeat(threshold), hashes))
 
 
 class RecencyStack:

@@ -35,11 +35,8 @@ block the GPU pool missed, a pass over those at each scale; memory, the stack up
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import compress, repeat
-from operator import gt
 
-from otel_kvcache.engine.sampling import RecencyStack, Window, sampled_below, sampling_threshold
+from otel_kvcache.engine.sampling import RecencyStack, Window, sampled, sampled_positions, sampling_threshold
 
 TIER_SCALES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Tier sizes, as multiples of the engine's tier, projected where it has one (0: none)."""
@@ -80,7 +77,7 @@ class TierReuse:
         sums[_GPU_HIT] += unit * gpu_hit
         sums[_TIER_HIT] += tier_tokens
         missed = keys[gpu_hit:]
-        depths = [(at, self._depth(missed[at])) for at in self._sampled_positions(missed)]
+        depths = [(at, self._depth(missed[at])) for at in sampled_positions(self._threshold, missed)]
         if depths:  # with a sample of a few hundred blocks a tier, most lookups have none
             tier_hit, weight = min(tier_tokens // unit, len(missed)), unit / self.sample_rate
             # A sampled block stands for 1 / sample_rate: no more than the lookup had, either way.
@@ -92,7 +89,7 @@ class TierReuse:
         # Every prompt block is the tier's to keep, hit or not. vLLM's LRU ranks a request's
         # blocks last to first, so that its first ones stay longest: a block is never in the
         # tier without those before it, whose ranks are at least as recent.
-        for key in reversed(list(self._sampled(keys))):
+        for key in reversed(list(sampled(self._threshold, keys))):
             self._use(key)
         if self._stack.size > 2 * self._depth_limit:
             self._drop_deepest()
@@ -132,13 +129,6 @@ class TierReuse:
 
     # --- the sampled stack ---------------------------------------------------------
 
-    def _sampled(self, keys: list) -> Iterable:
-        return keys if self._threshold is None else sampled_below(self._threshold, keys)
-
-    def _sampled_positions(self, keys: list) -> Iterable[int]:
-        if self._threshold is None:
-            return range(len(keys))
-        return compress(range(len(keys)), map(gt, repeat(self._threshold), keys))
 
     def _depth(self, key: bytes) -> int | None:
         """How many sampled blocks were used in the tier since ``key``'s last use (None: never)."""

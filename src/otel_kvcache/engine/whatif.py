@@ -72,7 +72,7 @@ import weakref
 from array import array
 from collections.abc import Iterable
 
-from otel_kvcache.engine.sampling import RecencyStack, Window, sampled_below, sampling_threshold
+from otel_kvcache.engine.sampling import RecencyStack, Window, sampled, sampling_threshold
 from otel_kvcache.engine.tier_whatif import TierReuse
 from otel_kvcache.handover.miss_reasons import (
     DEMAND,
@@ -388,7 +388,7 @@ class PrefixReuse:
 
     def _sampled(self, hashes: list) -> Iterable:
         """The sampled ones among ``hashes``, picked in C."""
-        return hashes if self._threshold is None else sampled_below(self._threshold, hashes)
+        return sampled(self._threshold, hashes)
 
     def _curve_lookup(self, keys: list, hit_blocks: int, unit: int, queried_tokens: int,
                       used_blocks: int, now: float, present: int) -> None:  # fmt: skip
